@@ -1,0 +1,52 @@
+"""kvgraph: a MAX-style paged KV cache for the PyTorch compiler stack.
+
+Public names are imported lazily so that ``import kvgraph`` stays cheap and
+light parts (params, managers) do not pull in the compiler stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "kvgraph.errors": [
+        "KVCacheError", "InvalidParamsError", "UnknownSequenceError", "DuplicateSequenceError",
+        "NoFreeSlotsError", "BatchSizeError", "SequenceLengthError", "CacheInputError",
+        "StepError", "OutOfPagesError", "BindingError", "LoweringError",
+    ],
+    "kvgraph.params": ["KVCacheParams", "KVCacheStrategy"],
+    "kvgraph.symbols": [
+        "TensorType", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "PaddedKVCacheInputSymbols",
+    ],
+    "kvgraph.inputs": [
+        "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs", "KVCacheInputsSequence",
+    ],
+    "kvgraph.request": ["KVRequest"],
+    "kvgraph.managers": [
+        "KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager", "load_kv_manager",
+    ],
+    "kvgraph.collection": [
+        "ContinuousBatchingKVCacheCollection", "PagedKVCacheCollection",
+        "ContinuousBatchingKVCache", "PagedKVCache",
+    ],
+    "kvgraph.runtime": ["bind"],
+    "kvgraph.backend": ["compile", "kvgraph_backend"],
+    "kvgraph.engine": ["LLM", "SamplingParams", "Completion"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvgraph' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

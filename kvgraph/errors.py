@@ -1,0 +1,59 @@
+"""Typed errors of kvgraph.
+
+Every caller mistake raises a subclass of :class:`KVCacheError` (itself a
+``ValueError``) whose message names the offending value and the limit it broke.
+Methods that raise leave the object they were called on exactly as it was.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheError(ValueError):
+    """Root of the KV-cache error hierarchy."""
+
+
+class InvalidParamsError(KVCacheError):
+    """A ``KVCacheParams`` field or a manager size is out of range."""
+
+
+class UnknownSequenceError(KVCacheError):
+    """A seq_id that was never claimed or has already been released."""
+
+
+class DuplicateSequenceError(KVCacheError):
+    """A seq_id that is already claimed (double claim) or repeated in one batch."""
+
+
+class NoFreeSlotsError(KVCacheError):
+    """``claim`` asked for more sequences than ``slots_remaining``."""
+
+
+class BatchSizeError(KVCacheError):
+    """A batch larger than ``max_batch_size`` (or empty where one is required)."""
+
+
+class SequenceLengthError(KVCacheError):
+    """A step would take a sequence past ``max_seq_len``."""
+
+
+class CacheInputError(KVCacheError):
+    """Tensors whose dtype, device or shape do not match the cache."""
+
+
+class StepError(KVCacheError):
+    """``step`` for a sequence that was not fetched, or commits more tokens than were reserved."""
+
+
+class OutOfPagesError(KVCacheError):
+    """``fetch`` needs more free pages than the pool has; ``can_fetch`` would have said no.
+
+    Not a bug in itself: a scheduler asks ``can_fetch`` first and waits or preempts.
+    """
+
+
+class BindingError(RuntimeError):
+    """A compiled kvgraph callable ran without bound KV inputs, or with ones that do not fit the graph."""
+
+
+class LoweringError(RuntimeError):
+    """A graph pass met an attention site (or graph) it cannot lower correctly."""

@@ -1,0 +1,77 @@
+"""Tensors handed to a compiled graph at each step (MAX's ``KVCacheInputs``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheInputs:
+    """Base class: a dataclass of tensors; iterating flattens to the tensors, as in MAX."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, KVCacheInputs):
+                yield from value
+            else:
+                yield value
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return list(self)[index]
+
+
+@dataclass
+class RaggedKVCacheInputs(KVCacheInputs):
+    """Inputs of a ragged graph.
+
+    Attributes:
+        blocks: the whole cache. Paged: ``[total_num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``;
+            continuous: ``[max_batch_size, 2, num_layers, max_seq_len, n_kv_heads, head_dim]``
+            (axis 1: 0 = key, 1 = value).
+        cache_lengths: ``int32 [batch]``: tokens already in the cache before this step.
+        lookup_table: ``int32``. Paged: ``[batch, max_num_pages]``: ``[batch, logical_page] -> physical_page``,
+            unused entries hold ``total_num_pages``. Continuous: ``[batch]``: ``batch -> slot``.
+        max_lengths: ``int32 [num_steps, 2]`` on the CPU: row 0 ``[max new tokens, max cached + new]``,
+            each later row ``[1, previous + 1]``.
+    """
+
+    blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    max_lengths: torch.Tensor
+
+    @property
+    def is_paged(self) -> bool:
+        return self.lookup_table.dim() == 2
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache_lengths.shape[0]
+
+
+@dataclass
+class PaddedKVCacheInputs(KVCacheInputs):
+    """Inputs of a padded (non-ragged) graph."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start_pos: torch.Tensor
+    null_op: torch.Tensor
+
+
+@dataclass
+class KVCacheInputsSequence(KVCacheInputs):
+    """A sequence of ``KVCacheInputs`` (one per device, or per step); iterating flattens all of them."""
+
+    kv_cache_inputs: Sequence[KVCacheInputs]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for inputs in self.kv_cache_inputs:
+            yield from inputs
