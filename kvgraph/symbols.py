@@ -86,7 +86,7 @@ class TensorType:
                 f"{name}: rank {tensor.dim()} (shape {tuple(tensor.shape)}) does not match expected {self}"
             )
         bound = {} if bound is None else bound
-        for axis, (want, got) in enumerate(zip(self.shape, tensor.shape)):
+        for axis, (want, got) in enumerate(zip(self.shape, tensor.shape, strict=True)):
             if isinstance(want, int):
                 if want != got:
                     raise CacheInputError(
@@ -120,7 +120,7 @@ class _SymbolSet:
         return tuple(f.name for f in dataclasses.fields(self))
 
     def items(self) -> list[tuple[str, TensorType]]:
-        return list(zip(self.names(), self))
+        return list(zip(self.names(), self, strict=True))
 
 
 @dataclass(frozen=True)
