@@ -1,0 +1,53 @@
+"""CPU fast path of ``kvgraph::ragged_attention``.
+
+Same first half as the reference (one ``index_put_`` per K and V into the cache, each
+sequence's context gathered once), then one fused
+:func:`torch.nn.functional.scaled_dot_product_attention` call over all sequences padded
+to ``max_lengths[0]``, with an explicit causal-with-offset mask. GQA groups the query
+heads of one kv head into the query-row dimension, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kvgraph.kernels.reference import store_and_load_context
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    layer_idx: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The op on CPU tensors (arguments as ``torch.ops.kvgraph.ragged_attention``).
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
+        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
+        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+    """
+    batch, k_ctx, v_ctx = store_and_load_context(
+        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
+    )
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    B, S = batch.batch_size, batch.max_new
+    # rows (s, g) of one kv head: [B, S, Hkv, G, D] -> [B, Hkv, S * G, D]
+    q_rows = batch.pad(q).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
+    mask = batch.mask().repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]
+    out = F.scaled_dot_product_attention(
+        q_rows, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [B, Hkv, S * G, D]
+    out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
+    return batch.unpad(out)

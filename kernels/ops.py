@@ -1,0 +1,233 @@
+"""The fused KV-cache attention op ``kvgraph::ragged_attention`` and its input checks.
+
+``torch.ops.kvgraph.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table,
+input_row_offsets, max_lengths, layer_idx, scale=None)`` first stores the new tokens'
+K and V into layer ``layer_idx`` of the cache, then returns causal attention of every
+new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
+of sequence ``b`` sits at position ``cache_lengths[b] + i - input_row_offsets[b]``.
+
+Implementations: a fake (shape) impl for tracing, the CPU fast path
+(:mod:`kvgraph.kernels.cpu`) and, on CUDA, the Triton kernels
+(``kvgraph.kernels.triton.ragged_attention``, imported when first called).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvgraph.errors import CacheInputError
+
+INDEX_DTYPE = torch.int32
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _differ(a, b) -> bool:
+    """``a != b`` for sizes known now; symbolic sizes (tracing) are not compared, to add no guards."""
+    return isinstance(a, int) and isinstance(b, int) and a != b
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    layer_idx: int,
+    scale: float | None = None,
+) -> None:
+    """Raise ``CacheInputError`` unless the op's arguments have consistent dtypes, ranks, shapes and devices.
+
+    Reads only metadata (no device sync), so it is safe on CUDA and on fake tensors;
+    symbolic sizes are skipped. Arguments are those of the op (see ``kernels/ops.py``).
+    """
+    for name, t, rank in (
+        ("q", q, 3), ("k", k, 3), ("v", v, 3), ("kv_blocks", kv_blocks, 6),
+        ("cache_lengths", cache_lengths, 1), ("input_row_offsets", input_row_offsets, 1),
+        ("max_lengths", max_lengths, 2),
+    ):
+        if t.dim() != rank:
+            raise CacheInputError(f"{name} must have rank {rank}, got rank {t.dim()} (shape {tuple(t.shape)})")
+    if lookup_table.dim() not in (1, 2):
+        raise CacheInputError(
+            f"lookup_table must have rank 2 (paged) or 1 (continuous), got rank {lookup_table.dim()} "
+            f"(shape {tuple(lookup_table.shape)})"
+        )
+    if q.dtype not in FLOAT_DTYPES:
+        raise CacheInputError(f"q dtype {q.dtype} is not one of {FLOAT_DTYPES}")
+    for name, t in (("k", k), ("v", v), ("kv_blocks", kv_blocks)):
+        if t.dtype != q.dtype:
+            raise CacheInputError(f"{name} dtype {t.dtype} does not match q dtype {q.dtype}")
+    for name, t in (
+        ("cache_lengths", cache_lengths), ("lookup_table", lookup_table),
+        ("input_row_offsets", input_row_offsets), ("max_lengths", max_lengths),
+    ):
+        if t.dtype != INDEX_DTYPE:
+            raise CacheInputError(f"{name} dtype {t.dtype} must be {INDEX_DTYPE}")
+    for name, t in (
+        ("k", k), ("v", v), ("kv_blocks", kv_blocks), ("cache_lengths", cache_lengths),
+        ("lookup_table", lookup_table), ("input_row_offsets", input_row_offsets),
+    ):
+        if t.device != q.device:
+            raise CacheInputError(f"{name} is on {t.device} but q is on {q.device}")
+    if max_lengths.device.type != "cpu":
+        raise CacheInputError(f"max_lengths must live on the CPU, got {max_lengths.device}")
+
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if any(_differ(a, b) for a, b in zip(k.shape, v.shape, strict=True)):
+        raise CacheInputError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} differ")
+    if _differ(k.shape[0], T):
+        raise CacheInputError(f"k has {k.shape[0]} tokens but q has {T}")
+    if _differ(k.shape[2], D):
+        raise CacheInputError(f"k head_dim {k.shape[2]} does not match q head_dim {D}")
+    if isinstance(Hq, int) and isinstance(Hkv, int) and (Hkv == 0 or Hq % Hkv != 0):
+        raise CacheInputError(f"q heads {Hq} must be a multiple of k/v heads {Hkv} (GQA)")
+    if _differ(kv_blocks.shape[1], 2):
+        raise CacheInputError(f"kv_blocks axis 1 must be 2 (key, value), got shape {tuple(kv_blocks.shape)}")
+    if _differ(kv_blocks.shape[4], Hkv) or _differ(kv_blocks.shape[5], D):
+        raise CacheInputError(
+            f"kv_blocks [.., Hkv, D] = {tuple(kv_blocks.shape[4:])} does not match k/v heads {Hkv}, head_dim {D}"
+        )
+    num_layers = kv_blocks.shape[2]
+    if not isinstance(layer_idx, int) or (isinstance(num_layers, int) and not 0 <= layer_idx < num_layers):
+        raise CacheInputError(f"layer_idx {layer_idx!r} out of range: kv_blocks has {num_layers} layers")
+    batch = cache_lengths.shape[0]
+    if _differ(lookup_table.shape[0], batch):
+        raise CacheInputError(f"lookup_table has {lookup_table.shape[0]} rows but batch (cache_lengths) is {batch}")
+    if isinstance(batch, int) and _differ(input_row_offsets.shape[0], batch + 1):
+        raise CacheInputError(
+            f"input_row_offsets has {input_row_offsets.shape[0]} entries, expected batch + 1 = {batch + 1}"
+        )
+    if _differ(max_lengths.shape[1], 2) or (isinstance(max_lengths.shape[0], int) and max_lengths.shape[0] < 1):
+        raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise CacheInputError(f"scale must be a finite positive float or None, got {scale!r}")
+
+
+def check_values(
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Raise ``CacheInputError`` unless the index tensors' values fit the cache.
+
+    Reads the index tensors (a device sync on CUDA: call it where they are on the CPU).
+    Checks: offsets start at 0, never decrease and end at ``num_tokens``; cache lengths are
+    non-negative; ``max_lengths[0]`` bounds the new and total tokens of every sequence; every
+    position written or read maps to an existing page (paged) or slot row (continuous).
+    """
+    offs = input_row_offsets.long().cpu()
+    cached = cache_lengths.long().cpu()
+    if int(offs[0]) != 0 or int(offs[-1]) != num_tokens:
+        raise CacheInputError(
+            f"input_row_offsets must run from 0 to the token count {num_tokens}, "
+            f"got {int(offs[0])}..{int(offs[-1])}"
+        )
+    new = offs[1:] - offs[:-1]
+    if bool((new < 0).any()):
+        b = int(torch.nonzero(new < 0)[0])
+        raise CacheInputError(f"input_row_offsets decreases at sequence {b}: {offs[b].item()} -> {offs[b + 1].item()}")
+    if bool((cached < 0).any()):
+        raise CacheInputError(f"cache_lengths must be >= 0, got {cached.tolist()}")
+    if new.numel() == 0:
+        return
+    total = cached + new
+    max_new, max_total = int(max_lengths[0, 0]), int(max_lengths[0, 1])
+    if int(new.max()) > max_new or int(total.max()) > max_total:
+        raise CacheInputError(
+            f"max_lengths[0] = [{max_new}, {max_total}] is below the batch's [max new tokens, max cached + new] "
+            f"= [{int(new.max())}, {int(total.max())}]"
+        )
+    lookup = lookup_table.long().cpu()
+    if lookup.dim() == 1:
+        max_seq_len, slots = kv_blocks.shape[3], kv_blocks.shape[0]
+        if int(total.max()) > max_seq_len:
+            b = int(total.argmax())
+            raise CacheInputError(f"sequence {b} reaches {int(total[b])} tokens, past max_seq_len {max_seq_len}")
+        bad = (lookup < 0) | (lookup >= slots)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0])
+            raise CacheInputError(f"lookup_table[{b}] = {int(lookup[b])} is not a slot in [0, {slots})")
+        return
+    page_size, num_pages, max_num_pages = kv_blocks.shape[3], kv_blocks.shape[0], lookup.shape[1]
+    pages = (total + page_size - 1) // page_size
+    if int(pages.max()) > max_num_pages:
+        b = int(pages.argmax())
+        raise CacheInputError(
+            f"sequence {b} needs {int(pages[b])} pages for {int(total[b])} tokens, "
+            f"but lookup_table has {max_num_pages} columns"
+        )
+    used = torch.arange(max_num_pages)[None, :] < pages[:, None]
+    bad = used & ((lookup < 0) | (lookup >= num_pages))
+    if bool(bad.any()):
+        b, p = (int(i) for i in torch.nonzero(bad)[0])
+        raise CacheInputError(f"lookup_table[{b}, {p}] = {int(lookup[b, p])} is not a page in [0, {num_pages})")
+
+
+SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, Tensor lookup_table, "
+    "Tensor input_row_offsets, Tensor max_lengths, int layer_idx, float? scale=None) -> Tensor"
+)
+
+
+@torch.library.custom_op(
+    "kvgraph::ragged_attention", mutates_args=("kv_blocks",), device_types="cpu", schema=SCHEMA
+)
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    layer_idx: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Store the new K/V into the cache, then causal attention over each sequence's cache.
+
+    Args:
+        q: ``[T, Hq, D]`` new tokens of all sequences, flattened (ragged).
+        k, v: ``[T, Hkv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+        kv_blocks: written in place. Paged ``[total_num_pages, 2, num_layers, page_size, Hkv, D]``;
+            continuous ``[max_batch_size, 2, num_layers, max_seq_len, Hkv, D]``; axis 1: 0 = K, 1 = V.
+        cache_lengths: ``int32 [batch]`` tokens cached before this step.
+        lookup_table: ``int32``; paged ``[batch, max_num_pages]`` (unused = ``total_num_pages``),
+            continuous ``[batch]`` (slot of each sequence).
+        input_row_offsets: ``int32 [batch + 1]`` prefix sums of new tokens per sequence.
+        max_lengths: ``int32 [num_steps, 2]`` on the CPU; row 0 = ``[max new, max cached + new]``.
+        layer_idx: the layer of the cache to write and read.
+        scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype. q, k, v and kv_blocks share one dtype and device.
+    """
+    from kvgraph.kernels.cpu import ragged_attention as cpu_ragged_attention
+
+    return cpu_ragged_attention(
+        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
+    )
+
+
+@ragged_attention.register_kernel("cuda")
+def _ragged_attention_cuda(*args, **kwargs) -> torch.Tensor:
+    """CUDA: the Triton kernels, same arguments (they validate with :func:`check_inputs`)."""
+    from kvgraph.kernels.triton import ragged_attention as triton_ragged_attention
+
+    return triton_ragged_attention(*args, **kwargs)
+
+
+@ragged_attention.register_fake
+def _ragged_attention_fake(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Shape-only impl for tracing: checks metadata, returns ``[T, Hq, D]`` like q."""
+    check_inputs(q, *args, **kwargs)
+    return q.new_empty(q.shape)

@@ -1,0 +1,250 @@
+"""Views over one batch's KV cache (MAX's ``ContinuousBatchingKVCacheCollection`` / ``PagedKVCache``).
+
+A collection wraps one :class:`~kvgraph.inputs.RaggedKVCacheInputs` and owns nothing:
+``get_key_cache(layer)`` / ``get_value_cache(layer)`` return per-layer views whose
+``blocks`` is a strided view into the shared ``blocks`` tensor, so ``store`` writes
+the cache in place. Unlike MAX's scalar ``load``/``store``, these are vectorised
+over index tensors: ``load(batch_idx [N], tok_idx [N]) -> [N, Hkv, D]``.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from kvgraph.errors import CacheInputError
+from kvgraph.inputs import RaggedKVCacheInputs
+
+KEY, VALUE = 0, 1  # axis 1 of the blocks tensor
+
+Index = int | torch.Tensor
+
+
+def _as_index(x: Index, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, device=device).long()
+
+
+class _LayerCache(abc.ABC):
+    """One layer's K or V cache for the sequences of a batch.
+
+    Attributes:
+        blocks: ``[num_blocks, rows_per_block, Hkv, D]``, a view into the batch's
+            ``blocks`` tensor (paged: one block per page; continuous: one per slot).
+        cache_lengths: ``int32 [batch]``: tokens cached before this step.
+        lookup_table: ``int32``; paged ``[batch, max_num_pages]``, continuous ``[batch]``.
+        max_seq_length: most new tokens of any sequence in the step (``max_lengths[0, 0]``).
+        max_cache_length: most cached + new tokens of any sequence (``max_lengths[0, 1]``).
+    """
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        cache_lengths: torch.Tensor,
+        lookup_table: torch.Tensor,
+        max_seq_length: int,
+        max_cache_length: int,
+    ) -> None:
+        if blocks.dim() != 4:
+            raise CacheInputError(
+                f"a layer cache needs blocks of rank 4 [blocks, rows, Hkv, D], got shape {tuple(blocks.shape)}"
+            )
+        self.blocks = blocks
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+        self.max_seq_length = int(max_seq_length)
+        self.max_cache_length = int(max_cache_length)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.blocks.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.blocks.shape[3]
+
+    @abc.abstractmethod
+    def _locate(self, batch_idx: torch.Tensor, tok_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block, row)`` of token ``tok_idx`` of batch entry ``batch_idx`` (int64, same shape)."""
+
+    def cache_length(self, batch_idx: int) -> int:
+        """Tokens of batch entry ``batch_idx`` cached before this step."""
+        return int(self.cache_lengths[batch_idx])
+
+    def row_idx(self, batch_idx: Index, tok_idx: Index) -> torch.Tensor:
+        """Row of a token when the blocks are viewed as a ``[num_blocks * rows_per_block, Hkv * D]`` matrix.
+
+        ``batch_idx`` and ``tok_idx`` are ints or broadcastable integer tensors; returns int64.
+        """
+        device = self.blocks.device
+        block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
+        return block * self.blocks.shape[1] + row
+
+    def col_idx(self, head_idx: Index) -> torch.Tensor:
+        """Column of ``head_idx``'s first element in the ``[rows, Hkv * D]`` matrix view (int64)."""
+        return _as_index(head_idx, self.blocks.device) * self.head_dim
+
+    def load(self, batch_idx: Index, tok_idx: Index) -> torch.Tensor:
+        """K or V of the given tokens.
+
+        Args:
+            batch_idx: integer ``[N]`` (or broadcastable): batch entry of each token.
+            tok_idx: integer ``[N]``: position of each token in its sequence.
+
+        Returns:
+            ``[N, Hkv, D]`` in the cache dtype (a copy).
+        """
+        device = self.blocks.device
+        block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
+        return self.blocks[block, row]
+
+    def store(self, batch_idx: Index, tok_idx: Index, values: torch.Tensor) -> None:
+        """Write ``values [N, Hkv, D]`` (cache dtype) at tokens ``tok_idx [N]`` of ``batch_idx [N]``, in place."""
+        device = self.blocks.device
+        block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
+        self.blocks.index_put_((block, row), values)
+
+    def load_padded(self, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+        """The first ``lengths[b]`` tokens of every batch entry, zero padded.
+
+        Args:
+            lengths: integer ``[batch]``, each ``<= max_length``.
+            max_length: padded length.
+
+        Returns:
+            ``[batch, max_length, Hkv, D]`` in the cache dtype; rows past ``lengths[b]`` are zero.
+            Only the requested tokens are read, so unused pages are never touched.
+        """
+        device = self.blocks.device
+        lengths = lengths.to(device=device, dtype=torch.long)
+        batch = lengths.shape[0]
+        total = int(lengths.sum())
+        # batch_idx, tok_idx: [total] -> (sequence, position) of every cached token
+        batch_idx = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=total)
+        starts = torch.cumsum(lengths, 0) - lengths
+        tok_idx = torch.arange(total, device=device) - starts[batch_idx]
+        out = self.blocks.new_zeros((batch, max_length, self.n_kv_heads, self.head_dim))
+        out[batch_idx, tok_idx] = self.load(batch_idx, tok_idx)
+        return out
+
+    def max_prompt_length(self) -> int:
+        """Most new tokens of any sequence in this step."""
+        return self.max_seq_length
+
+    def max_context_length(self) -> int:
+        """Most cached + new tokens of any sequence in this step."""
+        return self.max_cache_length
+
+    def empty_cache(self) -> bool:
+        """Whether no sequence of the batch has cached tokens (a pure prefill)."""
+        return not bool(self.cache_lengths.any())
+
+
+class PagedKVCache(_LayerCache):
+    """One layer's K or V over pages: ``blocks [total_num_pages, page_size, Hkv, D]``.
+
+    Token ``t`` of batch entry ``b`` lives in page ``lookup_table[b, t // page_size]``,
+    row ``t % page_size``.
+    """
+
+    @property
+    def page_size(self) -> int:
+        return self.blocks.shape[1]
+
+    def _locate(self, batch_idx: torch.Tensor, tok_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        page = self.lookup_table[batch_idx, tok_idx // self.page_size].long()
+        return page, tok_idx % self.page_size
+
+
+class ContinuousBatchingKVCache(_LayerCache):
+    """One layer's K or V over slots: ``blocks [max_batch_size, max_seq_len, Hkv, D]``.
+
+    Token ``t`` of batch entry ``b`` lives in slot ``lookup_table[b]``, row ``t``.
+    """
+
+    def _locate(self, batch_idx: torch.Tensor, tok_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.lookup_table[batch_idx].long()
+        return torch.broadcast_tensors(slot, tok_idx)
+
+
+class _Collection:
+    """All layers of one batch's cache; ``inputs.blocks`` is ``[N, 2, num_layers, rows, Hkv, D]``."""
+
+    cache_type: type[_LayerCache]
+    lookup_rank: int
+
+    def __init__(self, inputs: RaggedKVCacheInputs) -> None:
+        blocks, lookup = inputs.blocks, inputs.lookup_table
+        if blocks.dim() != 6 or blocks.shape[1] != 2:
+            raise CacheInputError(
+                f"blocks must be [N, 2, num_layers, rows, Hkv, D], got shape {tuple(blocks.shape)}"
+            )
+        if lookup.dim() != self.lookup_rank:
+            raise CacheInputError(
+                f"{type(self).__name__} needs a lookup_table of rank {self.lookup_rank}, "
+                f"got rank {lookup.dim()} (shape {tuple(lookup.shape)})"
+            )
+        max_lengths = inputs.max_lengths
+        if max_lengths.dim() != 2 or max_lengths.shape[0] < 1 or max_lengths.shape[1] != 2:
+            raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
+        self.inputs = inputs
+        self.max_seq_length = int(max_lengths[0, 0])
+        self.max_cache_length = int(max_lengths[0, 1])
+
+    @property
+    def num_layers(self) -> int:
+        return self.inputs.blocks.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs.cache_lengths.shape[0]
+
+    def _layer(self, layer_idx: int, kv: int) -> _LayerCache:
+        if not 0 <= layer_idx < self.num_layers:
+            raise CacheInputError(f"layer_idx {layer_idx} out of range: the cache has {self.num_layers} layers")
+        return self.cache_type(
+            self.inputs.blocks[:, kv, layer_idx],
+            self.inputs.cache_lengths,
+            self.inputs.lookup_table,
+            self.max_seq_length,
+            self.max_cache_length,
+        )
+
+    def get_key_cache(self, layer_idx: int) -> _LayerCache:
+        """Keys of layer ``layer_idx``: a view, writes go to the shared blocks."""
+        return self._layer(layer_idx, KEY)
+
+    def get_value_cache(self, layer_idx: int) -> _LayerCache:
+        """Values of layer ``layer_idx``: a view, writes go to the shared blocks."""
+        return self._layer(layer_idx, VALUE)
+
+    def cache_length(self, batch_idx: int) -> int:
+        """Tokens of batch entry ``batch_idx`` cached before this step."""
+        return int(self.inputs.cache_lengths[batch_idx])
+
+
+class PagedKVCacheCollection(_Collection):
+    """Paged batch view: ``blocks [total_num_pages, 2, L, page_size, Hkv, D]``, ``lookup_table [batch, max_num_pages]``."""
+
+    cache_type = PagedKVCache
+    lookup_rank = 2
+
+
+class ContinuousBatchingKVCacheCollection(_Collection):
+    """Continuous batch view: ``blocks [max_batch_size, 2, L, max_seq_len, Hkv, D]``, ``lookup_table [batch]``."""
+
+    cache_type = ContinuousBatchingKVCache
+    lookup_rank = 1
+
+
+def collection_for(inputs: RaggedKVCacheInputs) -> PagedKVCacheCollection | ContinuousBatchingKVCacheCollection:
+    """The collection class that matches ``inputs.lookup_table``'s rank (2: paged, 1: continuous)."""
+    rank = inputs.lookup_table.dim()
+    if rank == 2:
+        return PagedKVCacheCollection(inputs)
+    if rank == 1:
+        return ContinuousBatchingKVCacheCollection(inputs)
+    raise CacheInputError(
+        f"lookup_table must have rank 2 (paged) or 1 (continuous), got rank {rank} "
+        f"(shape {tuple(inputs.lookup_table.shape)})"
+    )
