@@ -1,0 +1,269 @@
+"""Paged KV cache: fixed-size pages from a shared pool, with optional prefix caching (MAX's
+``PagedKVCacheManager``). The request-level layer on top of ``PagePool``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgraph.errors import InvalidParamsError, OutOfPagesError
+from kvgraph.managers.base import (
+    INDEX_DTYPE,
+    KVCacheManager,
+    SequenceState,
+    check_memory,
+    check_positive_int,
+)
+from kvgraph.managers.page_pool import ROOT_HASH, PagePool, PrefixMatch
+from kvgraph.managers.page_queue import Page
+from kvgraph.params import KVCacheParams, KVCacheStrategy
+from kvgraph.request import KVRequest
+
+
+@dataclass
+class PagedSequence(SequenceState):
+    """A sequence and the pages that hold its cache."""
+
+    pages: list[Page] = field(default_factory=list)
+    """``logical_page -> Page``: enough pages for ``reserved`` (or ``length``) tokens."""
+    tokens: list[int] = field(default_factory=list)
+    """Token ids in the cache (kept only with prefix caching, to hash full pages)."""
+    hashes: list[bytes] = field(default_factory=list)
+    """Chain hash of each full page of ``tokens`` (prefix caching)."""
+
+
+@dataclass
+class _Plan:
+    """What ``fetch`` will do to one sequence; computed without changing anything."""
+
+    req: KVRequest
+    seq: PagedSequence
+    reserved: int
+    drop: list[Page]
+    """Pages the sequence gives back, last-first."""
+    keep: list[Page]
+    match: PrefixMatch
+    num_alloc: int
+    fresh: bool
+    """The sequence was never stepped: its earlier reservation (if any) is replaced whole."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCacheManager(KVCacheManager):
+    """Sequences hold pages of ``params.page_size`` tokens from one pool of ``total_pages``.
+
+    ``blocks``: ``[total_num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]`` of
+    ``params.dtype`` on ``params.device``, zero-initialised (axis 1: 0 = key, 1 = value).
+    ``lookup_table``: ``int32 [batch, max_num_pages]``: ``[batch, logical_page] -> physical_page``,
+    unused entries hold ``total_num_pages``.
+
+    Give the pool size as exactly one of ``num_pages`` or ``cache_memory`` (bytes, rounded
+    down to whole pages of ``params.page_bytes``). With ``params.enable_prefix_caching``,
+    ``step`` registers every completed full page, and a sequence's first ``fetch`` reuses the
+    cached pages that match the start of its tokens (``req.cached_tokens``).
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        *,
+        num_pages: int | None = None,
+        cache_memory: int | None = None,
+    ) -> None:
+        if params.cache_strategy is not KVCacheStrategy.PAGED:
+            raise InvalidParamsError(
+                f"PagedKVCacheManager needs cache_strategy=paged, got {params.cache_strategy.value}"
+            )
+        if (num_pages is None) == (cache_memory is None):
+            raise InvalidParamsError(
+                f"give exactly one of num_pages or cache_memory, got num_pages={num_pages!r}, "
+                f"cache_memory={cache_memory!r}"
+            )
+        if cache_memory is not None:
+            check_positive_int("cache_memory", cache_memory)
+            num_pages = cache_memory // params.page_bytes
+            if num_pages == 0:
+                raise InvalidParamsError(
+                    f"cache_memory={cache_memory} bytes holds no page of page_bytes={params.page_bytes}"
+                )
+        check_positive_int("num_pages", num_pages)
+        super().__init__(params, max_batch_size, max_seq_len)
+        self.page_size: int = params.page_size
+        self._pool = PagePool(num_pages, self.page_size)
+        L, H, D = params.num_layers, params.n_kv_heads, params.head_dim
+        self.blocks = torch.zeros(
+            (num_pages, 2, L, self.page_size, H, D), dtype=params.dtype, device=params.device
+        )
+        self._prefix_caching = params.enable_prefix_caching
+        self._prompt_tokens = 0  # tokens of first steps looked up in the prefix cache
+        self._cached_prompt_tokens = 0  # of those, tokens served from it
+
+    # -- pool figures --
+    @property
+    def total_pages(self) -> int:
+        return self._pool.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no sequence holds (including freed pages that still cache a prefix)."""
+        with self._lock:
+            return self._pool.num_free
+
+    @property
+    def used_pages_pct(self) -> float:
+        """Fraction of pages held by sequences, in ``[0, 1]``."""
+        with self._lock:
+            return 1.0 - self._pool.num_free / self._pool.num_pages
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up (0.0 before any)."""
+        with self._lock:
+            return self._cached_prompt_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """``logical_page -> physical_page`` of ``seq_id``."""
+        with self._lock:
+            return [page.page_id for page in self._get(seq_id).pages]
+
+    # -- strategy hooks --
+    def _new_sequence(self, seq_id: int) -> PagedSequence:
+        return PagedSequence(seq_id)
+
+    def _free_sequence(self, seq: PagedSequence) -> None:
+        self._pool.free(reversed(seq.pages))
+        seq.pages = []
+
+    def _fits(self, batch: Sequence[KVRequest], seqs: list[SequenceState], num_steps: int) -> bool:
+        return self._pages_short(self._plan(batch, seqs, num_steps)) == 0
+
+    def _reserve(self, batch: Sequence[KVRequest], seqs: list[SequenceState], num_steps: int) -> None:
+        plans = self._plan(batch, seqs, num_steps)
+        short = self._pages_short(plans)
+        if short:
+            need = sum(p.num_alloc for p in plans)
+            raise OutOfPagesError(
+                f"batch of {len(plans)} needs {need} new pages; {short} more than the pool can give "
+                f"({self._pool.num_free} free of {self._pool.num_pages}, page_size={self.page_size})"
+            )
+        pool = self._pool
+        for p in plans:
+            pool.free(p.drop)
+        for p in plans:
+            pool.touch(p.match.pages)
+            if p.match.partial is not None:
+                pool.touch([p.match.partial])
+        for p in plans:
+            new = pool.allocate(p.num_alloc)
+            if p.match.partial is not None:
+                self._copy_rows(p.match.partial, new[0], p.match.partial_len)
+            p.seq.pages = p.keep + p.match.pages + new
+        for p in plans:
+            if p.match.partial is not None:
+                pool.free([p.match.partial])
+        for p in plans:
+            seq, hit = p.seq, p.match.num_tokens(self.page_size)
+            if p.fresh:
+                seq.length = hit
+                seq.tokens = [int(t) for t in p.req.tokens[:hit]] if self._prefix_caching else []
+                seq.hashes = list(p.match.hashes)
+            seq.reserved = p.reserved
+            seq.hit = hit
+            p.req.cached_tokens = hit
+
+    def _lookup_table(self, seqs: list[PagedSequence]) -> torch.Tensor:
+        # lookup_table: [batch, logical_page] -> physical_page, unused = total_num_pages
+        width = max(len(seq.pages) for seq in seqs)
+        table = torch.full((len(seqs), width), self._pool.num_pages, dtype=INDEX_DTYPE)
+        for b, seq in enumerate(seqs):
+            table[b, : len(seq.pages)] = torch.tensor([page.page_id for page in seq.pages], dtype=INDEX_DTYPE)
+        return table
+
+    def _commit(self, seq: PagedSequence, req: KVRequest) -> None:
+        if not self._prefix_caching:
+            return
+        if not seq.stepped:
+            self._prompt_tokens += len(req.tokens)
+            self._cached_prompt_tokens += req.cached_tokens
+        P = self.page_size
+        seq.tokens.extend(int(t) for t in req.tokens[req.cached_tokens :])
+        while len(seq.hashes) < len(seq.tokens) // P:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            seq.hashes.append(self._pool.register(seq.pages[i], parent, seq.tokens[i * P : (i + 1) * P]))
+
+    # -- planning --
+    def _plan(self, batch: Sequence[KVRequest], seqs: list[PagedSequence], num_steps: int) -> list[_Plan]:
+        plans = []
+        for req, seq in zip(batch, seqs, strict=True):
+            reserved = seq.start + len(req.tokens) + num_steps - 1
+            num_pages = _ceil_div(reserved, self.page_size)
+            if seq.stepped:
+                match = PrefixMatch()
+                keep, drop = seq.pages[:num_pages], seq.pages[num_pages:][::-1]
+                num_alloc = max(0, num_pages - len(seq.pages))
+            else:
+                limit = len(req.tokens) - 1  # the last token is always computed
+                match = self._pool.match(req.tokens, limit) if self._prefix_caching else PrefixMatch()
+                keep, drop = [], seq.pages[::-1]
+                num_alloc = num_pages - len(match.pages)
+            plans.append(_Plan(req, seq, reserved, drop, keep, match, num_alloc, not seq.stepped))
+        return plans
+
+    def _pages_short(self, plans: list[_Plan]) -> int:
+        """How many pages the pool lacks to carry out ``plans`` (0: they fit).
+
+        Replays the ref-count changes in the order ``_reserve`` makes them: drops, then
+        touches of matched pages (a free cached page stops being free), then allocations.
+        """
+        refs: dict[int, int] = {}
+        free = self._pool.num_free
+        for p in plans:
+            for page in p.drop:
+                refs[page.page_id] = refs.get(page.page_id, page.ref_count) - 1
+                free += refs[page.page_id] == 0
+        for p in plans:
+            shared = p.match.pages + ([p.match.partial] if p.match.partial is not None else [])
+            for page in shared:
+                r = refs.get(page.page_id, page.ref_count)
+                free -= r == 0
+                refs[page.page_id] = r + 1
+        free -= sum(p.num_alloc for p in plans)
+        return max(0, -free)
+
+    def _copy_rows(self, src: Page, dst: Page, n: int) -> None:
+        """Copy-on-write: the first ``n`` token rows of every layer's K and V from ``src`` to ``dst``."""
+        # blocks: [num_pages, 2, L, page_size, H, D]
+        self.blocks[dst.page_id, :, :, :n].copy_(self.blocks[src.page_id, :, :, :n])
+
+    # -- sizing --
+    @classmethod
+    def estimated_memory_size(
+        cls, params: KVCacheParams, max_batch_size: int, max_seq_len: int, available_cache_memory: int
+    ) -> int:
+        """Bytes of a pool that holds ``max_batch_size`` sequences of ``max_seq_len`` tokens, capped
+        at ``available_cache_memory`` rounded down to whole pages."""
+        check_positive_int("max_batch_size", max_batch_size)
+        need = max_batch_size * cls._pages_per_sequence(params, max_seq_len) * params.page_bytes
+        return min(need, check_memory(available_cache_memory) // params.page_bytes * params.page_bytes)
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls, params: KVCacheParams, max_seq_len: int, available_cache_memory: int
+    ) -> int:
+        """How many sequences of ``max_seq_len`` tokens fit in ``available_cache_memory`` bytes
+        (whole pages each; 0 if none)."""
+        per_seq = cls._pages_per_sequence(params, max_seq_len) * params.page_bytes
+        return check_memory(available_cache_memory) // per_seq
+
+    @staticmethod
+    def _pages_per_sequence(params: KVCacheParams, max_seq_len: int) -> int:
+        return _ceil_div(check_positive_int("max_seq_len", max_seq_len), params.page_size)
+
