@@ -1,0 +1,442 @@
+"""``kvgraph.LLM``: an unmodified causal LM compiled onto a paged KV cache, served by continuous batching."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvgraph.engine.loading import (
+    eos_token_ids,
+    kv_params_from_config,
+    load_model,
+    vocab_size,
+)
+from kvgraph.engine.requests import (
+    Completion,
+    EngineRequest,
+    FinishReason,
+    TokenEvent,
+)
+from kvgraph.engine.runner import ModelRunner
+from kvgraph.engine.sampling import SamplingParams, sample
+from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
+from kvgraph.engine.stats import EngineStats
+from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
+from kvgraph.managers import load_kv_manager
+from kvgraph.managers.base import KVCacheManager, check_positive_int
+from kvgraph.managers.paged import PagedKVCacheManager
+from kvgraph.params import KVCacheParams, KVCacheStrategy
+
+Prompt = str | Sequence[int]
+COMPILE_MODES = ("inductor", "eager")
+
+
+class LLM:
+    """Generate text with continuous batching over a paged (or continuous) KV cache.
+
+    ``model`` is an ``nn.Module`` (a Hugging Face causal LM, or any module mapping
+    ``input_ids [1, T]`` and ``position_ids [1, T]`` to logits) or the path of a local
+    Hugging Face checkpoint directory (its tokenizer is loaded too when present).
+    The module is compiled once with ``kvgraph.compile`` (``compile="inductor"`` or
+    ``"eager"`` after lowering); every step then runs one ragged batch mixing decodes
+    with (chunked) prefills, at most ``max_batch_size`` sequences and
+    ``max_batch_tokens`` new tokens. ``kv_cache_memory`` (bytes) sizes the paged pool;
+    by default it holds ``max_batch_size`` sequences of ``max_seq_len`` tokens.
+    ``num_steps > 1`` runs batches of decodes that many steps back to back.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str | Path,
+        *,
+        cache_strategy: KVCacheStrategy | str = "paged",
+        page_size: int = 16,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        max_batch_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_steps: int = 1,
+        compile: str = "inductor",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        for name, value in (
+            ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+            ("max_batch_tokens", max_batch_tokens), ("num_steps", num_steps),
+        ):
+            check_positive_int(name, value)
+        if kv_cache_memory is not None:
+            check_positive_int("kv_cache_memory", kv_cache_memory)
+        if compile not in COMPILE_MODES:
+            raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        strategy = KVCacheStrategy.parse(cache_strategy)
+        module, self.tokenizer = load_model(model, tokenizer)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.model = module.to(device=self.device, dtype=dtype).eval()
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False  # the kvgraph cache replaces the model's own
+        self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
+        self.manager = _make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+        self.vocab_size = vocab_size(self.model)
+        import kvgraph
+
+        self.compiled = kvgraph.compile(self.model, manager=self.manager, inner=compile)
+        self.runner = ModelRunner(self.compiled, self.device)
+        self.scheduler = Scheduler(
+            self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+            max_seq_len=max_seq_len, num_steps=num_steps,
+        )
+        self._stats = EngineStats()
+        self._requests: dict[int, EngineRequest] = {}
+        self._next_id = 0
+
+    def _kv_params(self, strategy: KVCacheStrategy, page_size: int, prefix_caching: bool) -> KVCacheParams:
+        params = kv_params_from_config(
+            self.model, cache_strategy=strategy, page_size=page_size,
+            enable_prefix_caching=prefix_caching, device=self.device,
+        )
+        if params is None:
+            from kvgraph.backend import infer_kv_params
+
+            params = infer_kv_params(
+                self.model, cache_strategy=strategy, page_size=page_size,
+                enable_prefix_caching=prefix_caching, device=self.device,
+            )
+        return params
+
+    # -- requests --
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> int:
+        """Queue one prompt; returns its request id. Raises before queueing anything if the prompt
+        is empty, out of the vocabulary, longer than ``max_seq_len``, or can never fit the cache."""
+        return self._queue(*self._validate(prompt, sampling))
+
+    def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        ids = self._encode(prompt)
+        self._check_fits(ids, sampling)
+        return ids, sampling
+
+    def _queue(self, ids: list[int], sampling: SamplingParams) -> int:
+        request = EngineRequest(
+            request_id=self._next_id, prompt_ids=ids, sampling=sampling,
+            eos_token_ids=self.eos_token_ids, generator=sampling.generator(self.device),
+        )
+        self._next_id += 1
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now; its pages are freed at once (a finished request is left as is)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidParamsError(f"unknown request id {request_id!r}")
+        if not request.finished:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._stats.aborted += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def completion(self, request_id: int) -> Completion:
+        """The request's output so far (its final result once finished)."""
+        r = self._requests[request_id]
+        return Completion(
+            token_ids=list(r.output_ids),
+            text=self._decode(r.output_ids),
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            prompt_tokens=len(r.prompt_ids),
+            cached_tokens=r.cached_tokens,
+            arrival_time=r.arrival_time,
+            token_times=list(r.token_times),
+        )
+
+    # -- generation --
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Run ``prompts`` (token-id lists or strings) to completion; one ``Completion`` each, in order."""
+        ids = self._add_all(prompts, sampling)
+        with self._aborting_on_exit(ids):
+            while any(not self._requests[i].finished for i in ids):
+                self.step()
+        return [self._pop(i) for i in ids]
+
+    def stream(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[TokenEvent]:
+        """Yield each token of ``prompts`` as soon as it is generated (``TokenEvent.index`` says whose).
+
+        Leaving the loop early (``break``, an exception) aborts what is left and frees its pages.
+        """
+        ids = self._add_all(prompts, sampling)
+        index = {rid: i for i, rid in enumerate(ids)}
+        with self._aborting_on_exit(ids):
+            while any(not self._requests[i].finished for i in ids):
+                for event in self.step():
+                    if event.request_id in index:
+                        yield TokenEvent(
+                            event.request_id, index[event.request_id], event.token_id, event.text,
+                            event.finish_reason,
+                        )
+        for i in ids:
+            self._requests.pop(i, None)
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule and run one batch (``num_steps`` decode steps for a batch of decodes).
+
+        Returns one event per generated token. On any exception (including
+        ``KeyboardInterrupt``) the requests of the batch are aborted and their pages freed.
+        """
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._stats.preemptions += len(out.preempted)
+        if not out.entries:
+            self._no_progress(out)
+            return []
+        try:
+            run = self._run(out)
+        except BaseException:
+            self._stats.aborted += len(out.entries)
+            self.scheduler.abort_all([e.request for e in out.entries])
+            raise
+        events = self._commit(out, run)
+        self._stats.steps += 1
+        self._stats.record_step(len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start)
+        self._record_pages()
+        return events
+
+    def _run(self, out: SchedulerOutput) -> _StepRun:
+        """Fetch, run the model ``out.num_steps`` times, sample, and commit the cache (``manager.step``)."""
+        kv_requests = out.kv_requests
+        kv_inputs = self.manager.fetch(kv_requests, num_steps=out.num_steps)
+        run = _StepRun()
+        new_tokens, starts = [], []
+        for entry in out.entries:
+            request, kv = entry.request, entry.kv
+            if request.num_computed == 0 and request.num_preemptions == 0:
+                request.cached_tokens = kv.cached_tokens
+                self._stats.prompt_tokens += len(request.prompt_ids)
+                self._stats.prefix_hit_tokens += kv.cached_tokens
+            if request.is_decode:
+                run.decode_tokens += out.num_steps
+            else:
+                run.prefill_tokens += len(kv.new_tokens)
+            new_tokens.append(kv.new_tokens)
+            starts.append(request.num_computed + kv.cached_tokens)
+        run.rows = [b for b, e in enumerate(out.entries) if e.completes_context]
+        input_ids, position_ids, offsets = self.runner.batch_inputs(new_tokens, starts)
+        params = [out.entries[b].request.sampling for b in run.rows]
+        generators = [out.entries[b].request.generator for b in run.rows]
+        sampled = []
+        for step in range(out.num_steps):
+            if step > 0:
+                # multistep: a batch of decodes, one token per sequence per step
+                kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
+                input_ids, position_ids = sampled[-1], position_ids + 1
+            logits = self.runner(kv_inputs, input_ids, position_ids, offsets)  # [batch, V]
+            sampled.append(sample(logits[run.rows], params, generators))
+        run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync
+        for step_tokens in run.tokens[:-1]:
+            for entry, token in zip(out.entries, step_tokens, strict=True):
+                entry.kv.tokens = [*entry.kv.tokens, token]
+        self.manager.step(kv_requests)
+        return run
+
+    def _commit(self, out: SchedulerOutput, run: _StepRun) -> list[TokenEvent]:
+        """Advance each request by what ran, append its sampled tokens, finish the ones that stop."""
+        now = time.perf_counter()
+        for entry in out.entries:
+            entry.request.num_computed += len(entry.kv.tokens)
+        events = []
+        for col, b in enumerate(run.rows):
+            request = out.entries[b].request
+            for step_tokens in run.tokens:
+                if request.finished:
+                    break
+                token = step_tokens[col]
+                request.output_ids.append(token)
+                request.token_times.append(now)
+                reason = request.stop_reason(token, self.max_seq_len)
+                if reason is not None:
+                    self.scheduler.finish(request, reason)
+                    self._stats.finished += 1
+                events.append(self._event(request, token))
+        return events
+
+    def _event(self, request: EngineRequest, token: int) -> TokenEvent:
+        text = None
+        if self.tokenizer is not None:
+            full = self._decode(request.output_ids)
+            hold = full.endswith("\ufffd") and not request.finished  # an incomplete UTF-8 sequence
+            text = "" if hold else full[request.text_offset :]
+            request.text_offset = request.text_offset if hold else len(full)
+        reason = request.finish_reason.value if request.finished else None
+        return TokenEvent(request.request_id, request.request_id, token, text, reason)
+
+    def _record_pages(self) -> None:
+        m = self.manager
+        if isinstance(m, PagedKVCacheManager):
+            self._stats.record_pages(m.total_pages - m.free_pages, m.total_pages)
+        else:
+            self._stats.record_pages(m.max_batch_size - m.slots_remaining, m.max_batch_size)
+
+    def _no_progress(self, out: SchedulerOutput) -> None:
+        """An empty batch with nothing preempted: the head of the queue can never fit."""
+        if out.preempted or not self.scheduler.waiting:
+            return
+        head = self.scheduler.waiting[0]
+        self.scheduler.finish(head, FinishReason.ABORT)
+        self._stats.aborted += 1
+        raise OutOfPagesError(
+            f"request {head.request_id} ({head.num_tokens} tokens) does not fit the empty cache "
+            f"({self._capacity_text()})"
+        )
+
+    # -- stats --
+    def stats(self) -> dict:
+        """Throughput (prefill and decode tokens/s), steps, batch-size histogram, KV pages
+        used/free/peak (slots for the continuous cache), prefix hit rate, preemptions, recompiles."""
+        self._record_pages()
+        self._stats.recompiles = _recompiles(self.compiled)
+        return self._stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self._stats = EngineStats()
+        self._record_pages()
+
+    # -- helpers --
+    def _add_all(self, prompts, sampling) -> list[int]:
+        """Validate every prompt, then queue them all (nothing is queued if one is bad)."""
+        prompts = _as_prompt_list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        checked = [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
+        return [self._queue(ids, s) for ids, s in checked]
+
+    def _aborting_on_exit(self, ids: list[int]):
+        return _AbortOnExit(self, ids)
+
+    def _pop(self, request_id: int) -> Completion:
+        completion = self.completion(request_id)
+        del self._requests[request_id]
+        return completion
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParamsError(
+                    f"text prompt {prompt[:32]!r} needs a tokenizer; this LLM has none (pass token ids)"
+                )
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidParamsError("prompt is empty; it needs at least one token")
+        limit = self.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (limit is not None and t >= limit):
+                raise InvalidParamsError(f"prompt token {t!r} is not an id in [0, {limit})")
+        if len(ids) > self.max_seq_len:
+            raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={self.max_seq_len}")
+        return ids
+
+    def _check_fits(self, ids: list[int], sampling: SamplingParams) -> None:
+        m = self.manager
+        if not isinstance(m, PagedKVCacheManager):
+            return
+        tokens = min(len(ids) + sampling.max_new_tokens, self.max_seq_len)
+        pages = -(-tokens // m.page_size)
+        if pages > m.total_pages:
+            raise OutOfPagesError(
+                f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens needs {pages} pages; "
+                f"{self._capacity_text()}"
+            )
+
+    def _capacity_text(self) -> str:
+        m = self.manager
+        if isinstance(m, PagedKVCacheManager):
+            return f"the pool has {m.total_pages} pages of {m.page_size} tokens"
+        return f"{m.max_batch_size} slots of {m.max_seq_len} tokens"
+
+    def _decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class _StepRun:
+    """What one scheduled batch produced."""
+
+    rows: list[int] = field(default_factory=list)
+    """Entries whose context this step completes, so they get a token (all of them in multistep)."""
+    tokens: list[list[int]] = field(default_factory=list)
+    """``[num_steps][len(rows)]`` sampled token ids."""
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class _AbortOnExit:
+    """Abort the given requests that are still unfinished when the block exits, however it exits."""
+
+    def __init__(self, llm: LLM, ids: list[int]) -> None:
+        self.llm, self.ids = llm, ids
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        for i in self.ids:
+            request = self.llm._requests.get(i)
+            if request is not None and not request.finished:
+                self.llm.abort(i)
+            if exc[0] is not None:
+                self.llm._requests.pop(i, None)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _make_manager(
+    params: KVCacheParams, max_batch_size: int, max_seq_len: int, kv_cache_memory: int | None
+) -> KVCacheManager:
+    if kv_cache_memory is None:
+        return load_kv_manager(params, max_batch_size, max_seq_len)
+    if params.is_paged:
+        return load_kv_manager(params, max_batch_size, max_seq_len, cache_memory=kv_cache_memory)
+    need = max_batch_size * max_seq_len * params.bytes_per_token
+    if kv_cache_memory < need:
+        raise InvalidParamsError(
+            f"kv_cache_memory={kv_cache_memory} bytes is less than the {need} bytes the continuous cache "
+            f"needs ({max_batch_size} slots of {max_seq_len} tokens)"
+        )
+    return load_kv_manager(params, max_batch_size, max_seq_len)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _recompiles(compiled: object) -> int:
+    count = getattr(compiled, "recompiles", 0)
+    return int(count() if callable(count) else count)

@@ -1,0 +1,98 @@
+"""Resolve what ``LLM`` was given: a module or a local Hugging Face checkpoint, and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvgraph.errors import InvalidParamsError
+from kvgraph.params import KVCacheParams, KVCacheStrategy
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(
+    model: torch.nn.Module | str | Path, tokenizer: object | None = None
+) -> tuple[torch.nn.Module, object | None]:
+    """The module and tokenizer ``LLM`` runs.
+
+    ``model`` is an ``nn.Module`` (returned as is, with ``tokenizer``) or the path of a
+    local Hugging Face checkpoint directory, loaded with ``local_files_only=True``
+    together with its tokenizer when the directory has one and ``tokenizer`` is ``None``.
+    """
+    if isinstance(model, torch.nn.Module):
+        return model, tokenizer
+    if not isinstance(model, (str, Path)):
+        raise InvalidParamsError(
+            f"model must be an nn.Module or a checkpoint directory, got {type(model).__name__}"
+        )
+    path = Path(model)
+    if not path.is_dir():
+        raise InvalidParamsError(f"checkpoint directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise InvalidParamsError(f"checkpoint directory {str(path)!r} has no config.json")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    if tokenizer is None and any((path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return module, tokenizer
+
+
+def kv_params_from_config(
+    model: torch.nn.Module,
+    *,
+    cache_strategy: KVCacheStrategy | str,
+    page_size: int | None,
+    enable_prefix_caching: bool,
+    device: torch.device,
+) -> KVCacheParams | None:
+    """``KVCacheParams`` read from a Hugging Face ``model.config`` (``None`` for other modules).
+
+    Layers from ``num_hidden_layers``, KV heads from ``num_key_value_heads`` (else
+    ``num_attention_heads``), head size from ``head_dim`` (else ``hidden_size / heads``),
+    dtype from the module's first floating parameter.
+    """
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(layers, int) or not isinstance(heads, int):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    strategy = KVCacheStrategy.parse(cache_strategy)
+    return KVCacheParams(
+        dtype=model_dtype(model),
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_layers=layers,
+        page_size=page_size if strategy is KVCacheStrategy.PAGED else None,
+        cache_strategy=strategy,
+        enable_prefix_caching=enable_prefix_caching and strategy is KVCacheStrategy.PAGED,
+        device=device,
+    )
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the module's first floating parameter (``float32`` when it has none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: object | None) -> tuple[int, ...]:
+    """The EOS ids from the model's generation config, else its config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        ids = tuple(i for i in ids if isinstance(i, int) and i >= 0)
+        if ids:
+            return ids
+    return ()
+
+
+def vocab_size(model: torch.nn.Module) -> int | None:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None

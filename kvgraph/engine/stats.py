@@ -1,0 +1,80 @@
+"""Engine counters: throughput, batch sizes, KV pages, prefix hits, preemptions, recompiles."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Running totals the engine updates after every step; ``LLM.stats()`` snapshots them.
+
+    A step that mixes prefill chunks and decodes splits its wall time between the two
+    in proportion to their token counts, so ``prefill_tokens_per_s`` and
+    ``decode_tokens_per_s`` each divide tokens by the time spent on them.
+    """
+
+    steps: int = 0
+    model_calls: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    batch_sizes: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    kv_pages_peak: int = 0
+    recompiles: int = 0
+
+    def record_step(self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """One model call over ``batch_size`` sequences computing the given new tokens."""
+        self.model_calls += 1
+        self.batch_sizes[batch_size] += 1
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+        total = prefill_tokens + decode_tokens
+        if total:
+            self.prefill_time_s += seconds * prefill_tokens / total
+            self.decode_time_s += seconds * decode_tokens / total
+
+    def record_pages(self, used: int, total: int) -> None:
+        self.kv_pages_total = total
+        self.kv_pages_used = used
+        self.kv_pages_peak = max(self.kv_pages_peak, used)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served by the prefix cache."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "model_calls": self.model_calls,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_time_s),
+            "decode_tokens_per_s": _rate(self.decode_tokens, self.decode_time_s),
+            "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
+            "kv_pages_used": self.kv_pages_used,
+            "kv_pages_free": self.kv_pages_total - self.kv_pages_used,
+            "kv_pages_peak": self.kv_pages_peak,
+            "kv_pages_total": self.kv_pages_total,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "preemptions": self.preemptions,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "recompiles": self.recompiles,
+        }
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
