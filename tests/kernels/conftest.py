@@ -208,3 +208,32 @@ def make_kv_case():
 def check_against_golden():
     """``check_against_golden(out, golden, reference_out, factor=4.0)``: see :func:`assert_close_to_golden`."""
     return assert_close_to_golden
+
+
+# (cached, new) tokens per sequence: the batch shapes every kernel is checked on.
+RAGGED_LENGTHS = {
+    "decode": [(5, 1), (16, 1), (0, 1), (33, 1)],
+    "prefill_odd": [(0, 17), (0, 97)],
+    "mixed": [(20, 1), (0, 17), (7, 9), (40, 1)],
+    "page_exactly_full": [(15, 1), (112, 16), (0, 128)],
+    "one_token": [(0, 1)],
+    "sequence_without_new_tokens": [(9, 0), (3, 2)],
+}
+
+
+@pytest.fixture(params=list(RAGGED_LENGTHS.values()), ids=list(RAGGED_LENGTHS))
+def ragged_lengths(request) -> list[tuple[int, int]]:
+    """Each batch shape of ``RAGGED_LENGTHS`` in turn."""
+    return request.param
+
+
+@pytest.fixture(params=[1, 16, 128, None], ids=["page1", "page16", "page128", "continuous"])
+def cache_page_size(request) -> int | None:
+    """Page sizes 1, 16, 128, and None for the continuous strategy."""
+    return request.param
+
+
+@pytest.fixture
+def reference_tol() -> dict[torch.dtype, float]:
+    """Largest allowed max-abs error of the reference against the golden, per dtype."""
+    return REFERENCE_TOL
