@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from kvgraph.inputs import RaggedKVCacheInputs
@@ -159,6 +160,14 @@ def snapshot(manager: KVCacheManager) -> dict:
     else:
         state["free_slots"] = sorted(manager._free_slots)
     return state
+
+
+def raises_unchanged(manager: KVCacheManager, error: type[Exception], fn, *args, match=None, **kwargs):
+    """Call ``fn``, expect ``error``, and check that ``manager`` is exactly as before."""
+    before = snapshot(manager)
+    with pytest.raises(error, match=match):
+        fn(*args, **kwargs)
+    assert_same_state(before, snapshot(manager))
 
 
 def assert_same_state(a: dict, b: dict) -> None:

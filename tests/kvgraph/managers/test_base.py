@@ -4,13 +4,12 @@ import pytest
 import torch
 from kv_checks import (
     KINDS,
-    assert_same_state,
     check_contents,
     check_invariants,
     continuous_params,
     make_manager,
     paged_params,
-    snapshot,
+    raises_unchanged,
     write_steps,
 )
 
@@ -27,13 +26,6 @@ from kvgraph import (
 )
 from kvgraph.managers import ragged_input_symbols
 from kvgraph.managers.base import max_lengths_tensor
-
-
-def _raises_unchanged(manager, error, fn, *args, match=None, **kwargs):
-    before = snapshot(manager)
-    with pytest.raises(error, match=match):
-        fn(*args, **kwargs)
-    assert_same_state(before, snapshot(manager))
 
 
 def test_ragged_input_symbols_paged_layout():
@@ -74,8 +66,8 @@ def test_claim_contains_release(kind):
 def test_claim_errors_leave_state_unchanged(kind):
     m = make_manager(kind, max_batch_size=2)
     m.claim(1)
-    _raises_unchanged(m, NoFreeSlotsError, m.claim, 2, match="slots_remaining=1")
-    _raises_unchanged(m, BatchSizeError, m.claim, -1, match="-1")
+    raises_unchanged(m, NoFreeSlotsError, m.claim, 2, match="slots_remaining=1")
+    raises_unchanged(m, BatchSizeError, m.claim, -1, match="-1")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,10 +75,10 @@ def test_external_claim(kind):
     m = make_manager(kind, max_batch_size=3)
     m.external_claim([10, 3])
     assert m.contains(10) and m.contains(3) and m.slots_remaining == 1
-    _raises_unchanged(m, DuplicateSequenceError, m.external_claim, [3], match="3")
-    _raises_unchanged(m, DuplicateSequenceError, m.external_claim, [7, 7], match="repeat")
-    _raises_unchanged(m, NoFreeSlotsError, m.external_claim, [7, 8])
-    _raises_unchanged(m, InvalidParamsError, m.external_claim, [-1])
+    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [3], match="3")
+    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [7, 7], match="repeat")
+    raises_unchanged(m, NoFreeSlotsError, m.external_claim, [7, 8])
+    raises_unchanged(m, InvalidParamsError, m.external_claim, [-1])
     assert 10 not in m.claim(1)
 
 
@@ -94,9 +86,9 @@ def test_external_claim(kind):
 def test_release_unclaimed_raises(kind):
     m = make_manager(kind)
     (a,) = m.claim(1)
-    _raises_unchanged(m, UnknownSequenceError, m.release, a + 100, match=str(a + 100))
+    raises_unchanged(m, UnknownSequenceError, m.release, a + 100, match=str(a + 100))
     m.release(a)
-    _raises_unchanged(m, UnknownSequenceError, m.release, a)
+    raises_unchanged(m, UnknownSequenceError, m.release, a)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -116,8 +108,8 @@ def test_fetch_validation_leaves_state_unchanged(kind):
         (SequenceLengthError, [KVRequest(a, [1])], 14, "max_seq_len=16"),
     ]
     for error, batch, num_steps, match in cases:
-        _raises_unchanged(m, error, m.fetch, batch, num_steps, match=match)
-        _raises_unchanged(m, error, m.can_fetch, batch, num_steps, match=match)
+        raises_unchanged(m, error, m.fetch, batch, num_steps, match=match)
+        raises_unchanged(m, error, m.can_fetch, batch, num_steps, match=match)
     assert m.can_fetch([KVRequest(a, list(range(12)))])
 
 
@@ -143,15 +135,15 @@ def test_fetch_returns_max_style_inputs(kind):
 def test_step_errors_leave_state_unchanged(kind):
     m = make_manager(kind)
     a, b = m.claim(2)
-    _raises_unchanged(m, StepError, m.step, [KVRequest(a, [1])], match="no pending fetch")
+    raises_unchanged(m, StepError, m.step, [KVRequest(a, [1])], match="no pending fetch")
     (x,) = m.fetch([KVRequest(a, [1, 2]), KVRequest(b, [3])])
-    _raises_unchanged(m, StepError, m.step, [KVRequest(a, [1, 2, 3])], match="past the 2 reserved")
-    _raises_unchanged(
+    raises_unchanged(m, StepError, m.step, [KVRequest(a, [1, 2, 3])], match="past the 2 reserved")
+    raises_unchanged(
         m, StepError, m.step, [KVRequest(b, [3], cached_tokens=1)], match="cached_tokens=1, but fetch set 0"
     )
-    _raises_unchanged(m, UnknownSequenceError, m.step, [KVRequest(a, [1]), KVRequest(77, [1])])
+    raises_unchanged(m, UnknownSequenceError, m.step, [KVRequest(a, [1]), KVRequest(77, [1])])
     m.step([KVRequest(a, [1, 2])])
-    _raises_unchanged(m, StepError, m.step, [KVRequest(a, [1])], match="no pending fetch")
+    raises_unchanged(m, StepError, m.step, [KVRequest(a, [1])], match="no pending fetch")
     m.step([KVRequest(b, [3])])
     assert (m.cache_length(a), m.cache_length(b)) == (2, 1)
 
@@ -234,7 +226,7 @@ def test_refetch_without_step_replaces_the_reservation(kind):
     m.fetch([KVRequest(a, list(range(10)))], num_steps=2)
     (x,) = m.fetch([r := KVRequest(a, [1, 2, 3])])
     assert x.cache_lengths.tolist() == [0] and x.max_lengths.tolist() == [[3, 3]]
-    _raises_unchanged(m, StepError, m.step, [KVRequest(a, list(range(10)))], match="past the 3 reserved")
+    raises_unchanged(m, StepError, m.step, [KVRequest(a, list(range(10)))], match="past the 3 reserved")
     m.step([r])
     assert m.cache_length(a) == 3
     check_invariants(m)
