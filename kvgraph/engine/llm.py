@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +77,7 @@ class LLM:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         strategy = KVCacheStrategy.parse(cache_strategy)
         module, self.tokenizer = load_model(model, tokenizer)
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = _device(device)
         self.model = module.to(device=self.device, dtype=dtype).eval()
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "use_cache"):
@@ -164,13 +164,23 @@ class LLM:
 
     # -- generation --
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_step: Callable[[list[TokenEvent]], None] | None = None,
     ) -> list[Completion]:
-        """Run ``prompts`` (token-id lists or strings) to completion; one ``Completion`` each, in order."""
+        """Run ``prompts`` (token-id lists or strings) to completion; one ``Completion`` each, in order.
+
+        ``sampling`` is one ``SamplingParams`` for all prompts or one per prompt. ``on_step``
+        is called after every step with the tokens it generated (a progress bar).
+        """
         ids = self._add_all(prompts, sampling)
         with self._aborting_on_exit(ids):
             while any(not self._requests[i].finished for i in ids):
-                self.step()
+                events = self.step()
+                if on_step is not None:
+                    on_step(events)
         return [self._pop(i) for i in ids]
 
     def stream(
@@ -215,6 +225,7 @@ class LLM:
         self._stats.steps += 1
         self._stats.record_step(len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start)
         self._record_pages()
+        self._record_occupancy()
         return events
 
     def _run(self, out: SchedulerOutput) -> _StepRun:
@@ -288,9 +299,20 @@ class LLM:
     def _record_pages(self) -> None:
         m = self.manager
         if isinstance(m, PagedKVCacheManager):
-            self._stats.record_pages(m.total_pages - m.free_pages, m.total_pages)
+            self._stats.record_pages(m.total_pages - m.free_pages, m.total_pages, self.params.page_bytes)
         else:
-            self._stats.record_pages(m.max_batch_size - m.slots_remaining, m.max_batch_size)
+            slot_bytes = m.max_seq_len * self.params.bytes_per_token
+            self._stats.record_pages(m.max_batch_size - m.slots_remaining, m.max_batch_size, slot_bytes)
+
+    def _record_occupancy(self) -> None:
+        """Slots held vs tokens stored by the running sequences (each one's own slack: a shared
+        prefix page is full, so sharing adds none)."""
+        m, running = self.manager, self.scheduler.running
+        if isinstance(m, PagedKVCacheManager):
+            held = sum(len(m.pages_of(r.seq_id)) for r in running) * m.page_size
+        else:
+            held = len(running) * m.max_seq_len
+        self._stats.record_occupancy(held, sum(r.num_computed for r in running))
 
     def _no_progress(self, out: SchedulerOutput) -> None:
         """An empty batch with nothing preempted: the head of the queue can never fit."""
@@ -433,8 +455,17 @@ def _make_manager(
     return load_kv_manager(params, max_batch_size, max_seq_len)
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _device(device: torch.device | str | None) -> torch.device:
+    """``device`` parsed (default: CUDA when available, else the CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidParamsError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
+    return device
 
 
 def _recompiles(compiled: object) -> int:

@@ -30,6 +30,9 @@ class EngineStats:
     kv_pages_total: int = 0
     kv_pages_used: int = 0
     kv_pages_peak: int = 0
+    kv_page_bytes: int = 0
+    kv_slots_held: int = 0  # summed over steps: token slots of the pages sequences hold
+    kv_tokens_stored: int = 0  # summed over steps: tokens those slots hold
     recompiles: int = 0
 
     def record_step(self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
@@ -43,10 +46,22 @@ class EngineStats:
             self.prefill_time_s += seconds * prefill_tokens / total
             self.decode_time_s += seconds * decode_tokens / total
 
-    def record_pages(self, used: int, total: int) -> None:
+    def record_pages(self, used: int, total: int, page_bytes: int) -> None:
+        """Pages (slots, for the continuous cache) held by sequences now, of ``total``."""
         self.kv_pages_total = total
         self.kv_pages_used = used
         self.kv_pages_peak = max(self.kv_pages_peak, used)
+        self.kv_page_bytes = page_bytes
+
+    def record_occupancy(self, slots_held: int, tokens_stored: int) -> None:
+        """After a step: token slots of the held pages, and how many of them hold a token."""
+        self.kv_slots_held += slots_held
+        self.kv_tokens_stored += tokens_stored
+
+    @property
+    def kv_waste(self) -> float:
+        """Fraction of held KV slots that held no token, averaged over steps (page slack, lookahead)."""
+        return 1.0 - self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -66,6 +81,9 @@ class EngineStats:
             "kv_pages_free": self.kv_pages_total - self.kv_pages_used,
             "kv_pages_peak": self.kv_pages_peak,
             "kv_pages_total": self.kv_pages_total,
+            "kv_peak_bytes": self.kv_pages_peak * self.kv_page_bytes,
+            "kv_allocated_bytes": self.kv_pages_total * self.kv_page_bytes,
+            "kv_waste": self.kv_waste,
             "prompt_tokens": self.prompt_tokens,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_rate,

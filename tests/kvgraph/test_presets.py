@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from kvgraph.errors import InvalidParamsError
+from kvgraph.presets import (
+    BOS_ID,
+    EOS_ID,
+    VOCAB_SIZE,
+    byte_tokenizer,
+    load_preset,
+    preset_names,
+    save_preset,
+)
+
+
+def test_presets_include_the_documented_names():
+    assert {"llama-tiny", "gpt2-tiny", "qwen2-tiny", "llama-small"} <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "qwen2-tiny"])
+def test_preset_weights_are_seeded_and_the_model_runs(name):
+    a, _ = load_preset(name)
+    b, _ = load_preset(name)
+    c, _ = load_preset(name, seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point())
+    assert a.config.vocab_size == VOCAB_SIZE and a.config.eos_token_id == EOS_ID
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        logits = a(input_ids=ids, position_ids=torch.arange(3)[None]).logits
+    assert logits.shape == (1, 3, VOCAB_SIZE)
+
+
+def test_loading_a_preset_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    load_preset("llama-tiny")
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = byte_tokenizer()
+    text = "Hello, wörld! ✓\n\ttabs"
+    ids = tok.encode(text)
+    assert ids == [b + 3 for b in text.encode("utf-8")]
+    assert tok.decode(ids) == text
+    assert len(tok) == VOCAB_SIZE and tok.eos_token_id == EOS_ID and tok.bos_token_id == BOS_ID
+    assert tok.decode([BOS_ID, *ids, EOS_ID], skip_special_tokens=True) == text
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(InvalidParamsError, match="unknown preset 'llama-huge'; expected one of llama-tiny"):
+        load_preset("llama-huge")
+
+
+def test_save_preset_writes_a_loadable_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_preset("llama-tiny", tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    ref, _ = load_preset("llama-tiny")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in ref.state_dict().items())
+    assert tok.decode(tok.encode("abc")) == "abc"
