@@ -28,6 +28,14 @@ from kvgraph.inputs import RaggedKVCacheInputs
 
 Collection = PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
 
+# Largest max-abs error of the reference against the float64 golden on O(1) outputs, per dtype.
+GOLDEN_TOLERANCE = {
+    torch.float64: 1e-12,
+    torch.float32: 2e-6,
+    torch.float16: 2e-3,
+    torch.bfloat16: 2e-2,
+}
+
 
 def token_positions(
     cache_lengths: torch.Tensor, input_row_offsets: torch.Tensor, num_tokens: int

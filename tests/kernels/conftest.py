@@ -17,17 +17,9 @@ from dataclasses import dataclass
 import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
 import pytest
 import torch
-from kvgraph.kernels.reference import naive_attention_fp64
+from kvgraph.kernels.reference import GOLDEN_TOLERANCE, naive_attention_fp64
 
 from kvgraph.inputs import RaggedKVCacheInputs
-
-# Largest allowed error of the reference against the float64 golden (outputs are O(1)).
-REFERENCE_TOL = {
-    torch.float64: 1e-12,
-    torch.float32: 2e-6,
-    torch.float16: 2e-3,
-    torch.bfloat16: 2e-2,
-}
 
 
 @dataclass
@@ -236,4 +228,4 @@ def cache_page_size(request) -> int | None:
 @pytest.fixture
 def reference_tol() -> dict[torch.dtype, float]:
     """Largest allowed max-abs error of the reference against the golden, per dtype."""
-    return REFERENCE_TOL
+    return GOLDEN_TOLERANCE

@@ -1,0 +1,79 @@
+"""CPU ragged attention: the PyTorch reference vs the SDPA fast path, median milliseconds as JSON.
+
+    python benchmarks/cpu_attention.py [--repeats 20] [--threads N]
+
+Two batches over a paged cache (page_size 16, 8 query heads, 2 kv heads, head_dim 64):
+a decode batch (one new token per sequence over long contexts) and a prefill batch
+(long prompts with a cached prefix). Each run stores into its own copy of the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from kvgraph.kernels import cpu, reference
+
+SHAPES = {
+    "decode": {"batch": 16, "cached": 1023, "new": 1},
+    "prefill": {"batch": 4, "cached": 128, "new": 256},
+}
+
+
+def make_step(batch: int, cached: int, new: int, dtype: torch.dtype, page_size: int = 16,
+              n_heads: int = 8, n_kv_heads: int = 2, head_dim: int = 64, num_layers: int = 2) -> tuple:
+    """The op's arguments for ``batch`` sequences of ``cached`` + ``new`` tokens in shuffled pages."""
+    gen = torch.Generator().manual_seed(0)
+    pages_per_seq = -(-(cached + new) // page_size)
+    num_pages = batch * pages_per_seq
+    blocks = torch.randn(num_pages, 2, num_layers, page_size, n_kv_heads, head_dim, generator=gen).to(dtype)
+    lookup = torch.randperm(num_pages, generator=gen).view(batch, pages_per_seq).to(torch.int32)
+    T = batch * new
+    q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(T, n_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    cache_lengths = torch.full((batch,), cached, dtype=torch.int32)
+    offsets = torch.arange(0, T + 1, new, dtype=torch.int32)
+    max_lengths = torch.tensor([[new, cached + new]], dtype=torch.int32)
+    return q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 1
+
+
+def median_ms(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
+    """Median ms of each function; the functions take turns, so load on the machine hits them alike."""
+    blocks = args[3]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats + 2):
+        for name, fn in fns.items():
+            step_args = (*args[:3], blocks.clone(), *args[4:])
+            start = time.perf_counter()
+            fn(*step_args)
+            if i >= 2:  # two warm-up rounds
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for name, shape in SHAPES.items():
+            step = make_step(**shape, dtype=dtype)
+            ms = median_ms({"reference": reference.ragged_attention, "fast": cpu.ragged_attention}, step, args.repeats)
+            results.append({
+                "case": name, **shape, "dtype": dtype_name,
+                "reference_ms": round(ms["reference"], 3), "fast_path_ms": round(ms["fast"], 3),
+                "speedup": round(ms["reference"] / ms["fast"], 2),
+            })
+    print(json.dumps({"threads": args.threads, "torch": torch.__version__, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
