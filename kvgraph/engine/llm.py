@@ -13,6 +13,7 @@ from kvgraph.engine.loading import (
     eos_token_ids,
     kv_params_from_config,
     load_model,
+    traced_kv_params,
     vocab_size,
 )
 from kvgraph.engine.requests import (
@@ -30,6 +31,7 @@ from kvgraph.managers import load_kv_manager
 from kvgraph.managers.base import KVCacheManager, check_positive_int
 from kvgraph.managers.paged import PagedKVCacheManager
 from kvgraph.params import KVCacheParams, KVCacheStrategy
+from kvgraph.step import prepare_step
 
 Prompt = str | Sequence[int]
 COMPILE_MODES = ("inductor", "eager")
@@ -79,9 +81,6 @@ class LLM:
         module, self.tokenizer = load_model(model, tokenizer)
         self.device = _device(device)
         self.model = module.to(device=self.device, dtype=dtype).eval()
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "use_cache"):
-            config.use_cache = False  # the kvgraph cache replaces the model's own
         self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
         self.manager = _make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
         self.max_seq_len = max_seq_len
@@ -90,7 +89,7 @@ class LLM:
         import kvgraph
 
         self.compiled = kvgraph.compile(self.model, manager=self.manager, inner=compile)
-        self.runner = ModelRunner(self.compiled, self.device)
+        self.runner = ModelRunner(self.compiled)
         self.scheduler = Scheduler(
             self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
             max_seq_len=max_seq_len, num_steps=num_steps,
@@ -100,18 +99,13 @@ class LLM:
         self._next_id = 0
 
     def _kv_params(self, strategy: KVCacheStrategy, page_size: int, prefix_caching: bool) -> KVCacheParams:
-        params = kv_params_from_config(
-            self.model, cache_strategy=strategy, page_size=page_size,
-            enable_prefix_caching=prefix_caching, device=self.device,
+        """From a Hugging Face config when there is one, else from the attention sites of the graph."""
+        kwargs = dict(
+            cache_strategy=strategy, page_size=page_size, enable_prefix_caching=prefix_caching,
+            device=self.device,
         )
-        if params is None:
-            from kvgraph.backend import infer_kv_params
-
-            params = infer_kv_params(
-                self.model, cache_strategy=strategy, page_size=page_size,
-                enable_prefix_caching=prefix_caching, device=self.device,
-            )
-        return params
+        params = kv_params_from_config(self.model, **kwargs)
+        return params if params is not None else traced_kv_params(self.model, **kwargs)
 
     # -- requests --
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> int:
@@ -247,7 +241,7 @@ class LLM:
             new_tokens.append(kv.new_tokens)
             starts.append(request.num_computed + kv.cached_tokens)
         run.rows = [b for b, e in enumerate(out.entries) if e.completes_context]
-        input_ids, position_ids, offsets = self.runner.batch_inputs(new_tokens, starts)
+        input_ids, position_ids, offsets = prepare_step(new_tokens, starts, self.device)
         params = [out.entries[b].request.sampling for b in run.rows]
         generators = [out.entries[b].request.generator for b in run.rows]
         sampled = []
@@ -255,7 +249,7 @@ class LLM:
             if step > 0:
                 # multistep: a batch of decodes, one token per sequence per step
                 kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
-                input_ids, position_ids = sampled[-1], position_ids + 1
+                input_ids, position_ids = sampled[-1][None], position_ids + 1
             logits = self.runner(kv_inputs, input_ids, position_ids, offsets)  # [batch, V]
             sampled.append(sample(logits[run.rows], params, generators))
         run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync
@@ -329,9 +323,10 @@ class LLM:
     # -- stats --
     def stats(self) -> dict:
         """Throughput (prefill and decode tokens/s), steps, batch-size histogram, KV pages
-        used/free/peak (slots for the continuous cache), prefix hit rate, preemptions, recompiles."""
+        used/free/peak (slots for the continuous cache), KV waste, prefix hit rate, preemptions, and
+        compiled graphs (``recompiles`` counts those after the first)."""
         self._record_pages()
-        self._stats.recompiles = _recompiles(self.compiled)
+        self._stats.compiled_graphs = _compiled_graphs(self.compiled)
         return self._stats.as_dict()
 
     def reset_stats(self) -> None:
@@ -468,6 +463,7 @@ def _device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-def _recompiles(compiled: object) -> int:
-    count = getattr(compiled, "recompiles", 0)
-    return int(count() if callable(count) else count)
+def _compiled_graphs(compiled: object) -> int:
+    """Graphs Dynamo handed to the kvgraph backend (a decode step, ``T == 1``, has its own)."""
+    backend = getattr(compiled, "backend", None)
+    return len(getattr(backend, "runners", ()))

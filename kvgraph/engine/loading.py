@@ -74,6 +74,48 @@ def kv_params_from_config(
     )
 
 
+def traced_kv_params(
+    model: torch.nn.Module,
+    *,
+    cache_strategy: KVCacheStrategy | str,
+    page_size: int | None,
+    enable_prefix_caching: bool,
+    device: torch.device,
+) -> KVCacheParams:
+    """``KVCacheParams`` of any module, read off its attention sites.
+
+    Captures the module's graph once on a 4-token example (``input_ids``, ``position_ids``
+    ``[1, 4]``) and runs the attention finder on it: layers are the sites, KV heads, head
+    size and dtype theirs. Raises ``LoweringError`` when the graph has no attention to lower.
+    """
+    from kvgraph.passes import find_attention
+
+    found = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list):
+        found.append(find_attention.run(gm, example_inputs))
+        return gm.forward
+
+    def trace(input_ids: torch.Tensor, position_ids: torch.Tensor):
+        return model(input_ids=input_ids, position_ids=position_ids)
+
+    ids = torch.arange(1, 5, device=device)[None]
+    with torch.no_grad():
+        torch.compile(trace, backend=capture, fullgraph=True, dynamic=False)(ids, ids - 1)
+    analysis = found[0]
+    strategy = KVCacheStrategy.parse(cache_strategy)
+    return KVCacheParams(
+        dtype=analysis.dtype,
+        n_kv_heads=analysis.n_kv_heads,
+        head_dim=analysis.head_dim,
+        num_layers=analysis.num_layers,
+        page_size=page_size if strategy is KVCacheStrategy.PAGED else None,
+        cache_strategy=strategy,
+        enable_prefix_caching=enable_prefix_caching and strategy is KVCacheStrategy.PAGED,
+        device=device,
+    )
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype of the module's first floating parameter (``float32`` when it has none)."""
     for p in model.parameters():

@@ -1,14 +1,13 @@
-"""One model call over a ragged batch: flatten the new tokens, bind the KV inputs, run, pick the logits."""
+"""One model call over a ragged batch: bind the KV inputs, run the compiled model, pick the logits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from kvgraph.errors import InvalidParamsError
 from kvgraph.inputs import RaggedKVCacheInputs
-from kvgraph.managers.base import INDEX_DTYPE
 
 
 class ModelRunner:
@@ -18,35 +17,10 @@ class ModelRunner:
         compiled: the callable from ``kvgraph.compile``: ``compiled(input_ids=[1, T], position_ids=[1, T])``
             under ``kvgraph.bind`` returns the model output (logits ``[1, batch, V]`` when the
             logits were pruned to each sequence's last token, else ``[1, T, V]``).
-        device: where the token tensors go.
     """
 
-    def __init__(self, compiled: Callable, device: torch.device) -> None:
+    def __init__(self, compiled: Callable) -> None:
         self.compiled = compiled
-        self.device = device
-
-    def batch_inputs(
-        self, tokens: Sequence[Sequence[int]], starts: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flatten the new tokens of each sequence.
-
-        Args:
-            tokens: per sequence, the token ids to run.
-            starts: per sequence, the position of its first new token (its cache length).
-        Returns:
-            ``input_ids int64 [T]``, ``position_ids int64 [T]`` and ``input_row_offsets int32 [batch + 1]``,
-            on ``self.device``.
-        """
-        flat = [t for seq in tokens for t in seq]
-        positions = [s + i for seq, s in zip(tokens, starts, strict=True) for i in range(len(seq))]
-        offsets = [0]
-        for seq in tokens:
-            offsets.append(offsets[-1] + len(seq))
-        return (
-            torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.tensor(offsets, dtype=INDEX_DTYPE).to(self.device, non_blocking=True),
-        )
 
     def __call__(
         self,
@@ -59,8 +33,8 @@ class ModelRunner:
 
         Args:
             kv_inputs: the manager's ``fetch`` result (one ``RaggedKVCacheInputs`` per device).
-            input_ids: ``int64 [T]``: new tokens of all sequences, flattened.
-            position_ids: ``int64 [T]``: their positions.
+            input_ids: ``int64 [1, T]``: new tokens of all sequences, flattened (``kvgraph.step.prepare_step``).
+            position_ids: ``int64 [1, T]``: their positions.
             input_row_offsets: ``int32 [batch + 1]``: prefix sums of new tokens per sequence.
         Returns:
             ``[batch, V]`` logits in the model's dtype.
@@ -68,7 +42,7 @@ class ModelRunner:
         from kvgraph.runtime import bind
 
         with torch.inference_mode(), bind(kv_inputs, input_row_offsets):
-            out = self.compiled(input_ids=input_ids[None], position_ids=position_ids[None])
+            out = self.compiled(input_ids=input_ids, position_ids=position_ids)
         # logits: [1, batch or T, V]
         logits = _logits(out)[0]
         batch = input_row_offsets.shape[0] - 1

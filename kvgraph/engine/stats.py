@@ -33,7 +33,7 @@ class EngineStats:
     kv_page_bytes: int = 0
     kv_slots_held: int = 0  # summed over steps: token slots of the pages sequences hold
     kv_tokens_stored: int = 0  # summed over steps: tokens those slots hold
-    recompiles: int = 0
+    compiled_graphs: int = 0
 
     def record_step(self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         """One model call over ``batch_size`` sequences computing the given new tokens."""
@@ -90,7 +90,8 @@ class EngineStats:
             "preemptions": self.preemptions,
             "finished": self.finished,
             "aborted": self.aborted,
-            "recompiles": self.recompiles,
+            "compiled_graphs": self.compiled_graphs,
+            "recompiles": max(0, self.compiled_graphs - 1),
         }
 
 

@@ -1,0 +1,150 @@
+"""``kvgraph bench``: one workload through kvgraph and, in the same run, Hugging Face ``generate``
+(padded batches) and ``generate_batch`` (continuous batching); greedy outputs must agree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvgraph.cli.baselines import SystemResult, hf_generate, hf_generate_batch
+from kvgraph.cli.common import add_engine_args, add_model_args, build_llm, positive_int
+from kvgraph.cli.report import agreement, format_table, plot, summarize
+from kvgraph.errors import InvalidParamsError
+from kvgraph.workloads import WORKLOADS, Workload, make_workload
+
+BASELINES = ("hf-generate", "hf-generate-batch")
+
+
+def add_parser(subparsers) -> None:
+    described = "; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values())
+    p = subparsers.add_parser(
+        "bench", help="benchmark a workload against Hugging Face baselines",
+        description="Run a named workload through kvgraph, Hugging Face generate (padded batches) and "
+        "generate_batch (continuous batching) with greedy decoding and a fixed output length; check that "
+        "the outputs agree; report throughput, its ratio, time to first token, inter-token latency "
+        f"percentiles, peak KV memory and KV waste. Workloads: {described}.",
+    )
+    add_model_args(p)
+    p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="default: mixed")
+    p.add_argument("--requests", type=positive_int, default=32, help="number of prompts (default 32)")
+    p.add_argument("--max-new-tokens", type=positive_int, help="override the workload's output length")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts (default 0)")
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma-separated subset of {', '.join(BASELINES)}, or none (default: both)")
+    p.add_argument("--hf-batch-size", type=positive_int,
+                   help="batch size of the padded generate baseline (default: --max-batch-size)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="exit 0 even if a baseline's greedy outputs differ from kvgraph's")
+    p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the results as JSON to OUT")
+    p.add_argument("--plot", type=Path, metavar="OUT.png", help="write a PNG chart of the results")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def parse_baselines(text: str) -> list[str]:
+    names = [] if text.strip() == "none" else [t for t in text.replace(" ", "").split(",") if t]
+    for name in names:
+        if name not in BASELINES:
+            raise InvalidParamsError(f"unknown baseline {name!r}; expected a subset of {', '.join(BASELINES)}")
+    return names
+
+
+def run_kvgraph(llm, workload: Workload) -> SystemResult:
+    """Warm up (compile), then run the workload with EOS ignored."""
+    from kvgraph.engine import SamplingParams
+
+    llm.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    llm.generate([[8, 9, 10]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    llm.reset_stats()
+    sampling = SamplingParams(max_new_tokens=workload.max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    completions = llm.generate(workload.prompts, sampling)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    return SystemResult(
+        "kvgraph", [c.token_ids for c in completions], elapsed,
+        ttft_s=[c.token_times[0] - start for c in completions],
+        itl_s=[x for c in completions for x in c.inter_token_latencies],
+        kv_allocated_bytes=stats["kv_allocated_bytes"], kv_peak_bytes=stats["kv_peak_bytes"],
+        kv_waste=stats["kv_waste"],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    baselines = parse_baselines(args.baselines)
+    llm = build_llm(args)
+    if llm.vocab_size is None:
+        raise InvalidParamsError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
+    workload = make_workload(
+        args.workload, num_requests=args.requests, vocab_size=llm.vocab_size, seed=args.workload_seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+    if workload.max_seq_len > args.max_seq_len:
+        raise InvalidParamsError(
+            f"workload {workload.name!r} reaches {workload.max_seq_len} tokens, past --max-seq-len={args.max_seq_len}"
+        )
+    log = _Log()
+    log(f"workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
+        f"{workload.max_new_tokens} new tokens each")
+    results = [run_kvgraph(llm, workload)]
+    log(f"kvgraph: {results[0].tokens_per_s:.1f} tok/s")
+    pad_id = getattr(llm.model.config, "pad_token_id", None) or 0
+    for name in baselines:
+        if name == "hf-generate":
+            result = hf_generate(
+                llm.model, workload.prompts, workload.max_new_tokens,
+                args.hf_batch_size or args.max_batch_size, llm.params, pad_id,
+            )
+        else:
+            result = hf_generate_batch(
+                llm.model, workload.prompts, workload.max_new_tokens, num_pages=_pool_pages(llm, args.page_size),
+                page_size=args.page_size, max_batch_size=args.max_batch_size,
+                max_batch_tokens=args.max_batch_tokens, params=llm.params, pad_id=pad_id,
+            )
+        log(f"{name}: {result.tokens_per_s:.1f} tok/s")
+        results.append(result)
+    rows = [summarize(r, results[0]) for r in results]
+    agree = [agreement(results[0], r) for r in results[1:]]
+    print(format_table(rows))
+    for a in agree:
+        print(f"greedy outputs vs {a['system']}: {a['identical']}/{a['requests']} requests identical"
+              + (f", first mismatch at request {a['first_mismatch']['request']} token "
+                 f"{a['first_mismatch']['token']}" if a["first_mismatch"] else ""))
+    report = {
+        "model": args.model, "workload": workload.name, "requests": len(workload.prompts),
+        "max_new_tokens": workload.max_new_tokens, "device": str(llm.device), "dtype": str(llm.params.dtype),
+        "cache": args.cache, "results": rows, "agreement": agree, "kvgraph_stats": llm.stats(),
+    }
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2))
+        log(f"wrote {args.json_out}")
+    if args.plot is not None:
+        plot(rows, f"{args.model} / {workload.name} ({len(workload.prompts)} requests)", args.plot)
+        log(f"wrote {args.plot}")
+    mismatched = [a["system"] for a in agree if a["identical"] != a["requests"]]
+    if mismatched and not args.allow_mismatch:
+        print(f"kvgraph bench: error: greedy outputs differ from kvgraph's for {', '.join(mismatched)} "
+              "(--allow-mismatch accepts this)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pool_pages(llm, page_size: int) -> int:
+    """The page count of kvgraph's pool, or what its continuous slots amount to in pages of ``page_size``."""
+    manager = llm.manager
+    if hasattr(manager, "total_pages"):
+        return manager.total_pages
+    return manager.max_batch_size * -(-manager.max_seq_len // page_size)
+
+
+class _Log:
+    """Progress lines on stderr, stamped with seconds since the start."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f}s] {text}", file=sys.stderr)

@@ -1,0 +1,123 @@
+"""``kvgraph generate``: run prompts through ``kvgraph.LLM`` and print the completions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvgraph.cli.common import (
+    add_engine_args,
+    add_model_args,
+    build_llm,
+    int_list,
+    non_negative_float,
+    positive_int,
+)
+from kvgraph.errors import InvalidParamsError
+
+DEFAULT_PROMPT = "Hello from kvgraph!"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from prompts",
+        description="Generate completions with continuous batching over a paged KV cache. "
+        "A progress bar runs on stderr; the completions go to stdout.",
+    )
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help=f"a text prompt (repeatable; default {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt-ids", type=int_list, action="append", help="a prompt as token ids: 1,2,3 (repeatable)")
+    src.add_argument("--prompts-file", type=Path,
+                     help="one prompt per non-empty line: text, or a JSON list of token ids")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (default 32)")
+    s.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=positive_int, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    s.add_argument("--sampling-seed", type=int, help="seed each request's sampler (reproducible sampling)")
+    s.add_argument("--stop-token-ids", type=int_list, default=[], help="extra stop tokens: 5,7")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (completions and stats)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    if args.prompt_ids:
+        return list(args.prompt_ids)
+    if args.prompts_file is None:
+        return list(args.prompt or [DEFAULT_PROMPT])
+    if not args.prompts_file.is_file():
+        raise InvalidParamsError(f"prompts file {str(args.prompts_file)!r} does not exist")
+    prompts: list[str | list[int]] = []
+    for line in args.prompts_file.read_text().splitlines():
+        if line.strip():
+            prompts.append(_parse_line(line))
+    if not prompts:
+        raise InvalidParamsError(f"prompts file {str(args.prompts_file)!r} has no prompt")
+    return prompts
+
+
+def _parse_line(line: str) -> str | list[int]:
+    if line.lstrip().startswith("["):
+        try:
+            ids = json.loads(line)
+        except json.JSONDecodeError:
+            return line
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            return ids
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvgraph.engine import SamplingParams
+
+    prompts = read_prompts(args)
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.sampling_seed, stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = build_llm(args)
+    start = time.perf_counter()
+    bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
+               disable=args.no_progress, dynamic_ncols=True)
+    with bar:
+        completions = llm.generate(prompts, sampling, on_step=lambda events: bar.update(len(events)))
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    new_tokens = sum(len(c.token_ids) for c in completions)
+    summary = (
+        f"{len(completions)} prompts, {new_tokens} new tokens in {elapsed:.2f}s: "
+        f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
+        f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
+        f"peak {stats['kv_pages_peak']} KV pages, prefix hit rate {stats['prefix_hit_rate']:.0%}"
+    )
+    if args.json:
+        out = {
+            "model": args.model,
+            "completions": [
+                {
+                    "prompt_tokens": c.prompt_tokens, "token_ids": c.token_ids, "text": c.text,
+                    "finish_reason": c.finish_reason, "cached_tokens": c.cached_tokens,
+                }
+                for c in completions
+            ],
+            "elapsed_s": elapsed,
+            "tokens_per_s": new_tokens / elapsed,
+            "stats": stats,
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        for i, c in enumerate(completions):
+            body = repr(c.text) if c.text is not None else " ".join(map(str, c.token_ids))
+            print(f"[{i}] ({c.finish_reason}, {len(c.token_ids)} tokens) {body}")
+    print(summary, file=sys.stderr)
+    return 0
