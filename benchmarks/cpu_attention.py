@@ -40,18 +40,23 @@ def make_step(batch: int, cached: int, new: int, dtype: torch.dtype, page_size: 
     return q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 1
 
 
-def median_ms(fns: dict, args: tuple, repeats: int) -> dict[str, float]:
-    """Median ms of each function; the functions take turns, so load on the machine hits them alike."""
+def median_ms(fns: dict, args: tuple, repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and process-CPU milliseconds of each function.
+
+    The functions take turns, so load on the machine hits them alike; CPU time
+    (all threads of this process) is the steadier figure on a shared machine.
+    """
     blocks = args[3]
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in fns}
     for i in range(repeats + 2):
         for name, fn in fns.items():
             step_args = (*args[:3], blocks.clone(), *args[4:])
-            start = time.perf_counter()
+            wall, cpu_time = time.perf_counter(), time.process_time()
             fn(*step_args)
             if i >= 2:  # two warm-up rounds
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+                times[name]["wall"].append((time.perf_counter() - wall) * 1e3)
+                times[name]["cpu"].append((time.process_time() - cpu_time) * 1e3)
+    return {name: {clock: statistics.median(t) for clock, t in clocks.items()} for name, clocks in times.items()}
 
 
 def main() -> None:
@@ -67,10 +72,12 @@ def main() -> None:
         for name, shape in SHAPES.items():
             step = make_step(**shape, dtype=dtype)
             ms = median_ms({"reference": reference.ragged_attention, "fast": cpu.ragged_attention}, step, args.repeats)
+            ref, fast = ms["reference"], ms["fast"]
             results.append({
                 "case": name, **shape, "dtype": dtype_name,
-                "reference_ms": round(ms["reference"], 3), "fast_path_ms": round(ms["fast"], 3),
-                "speedup": round(ms["reference"] / ms["fast"], 2),
+                "reference_ms": round(ref["wall"], 3), "fast_path_ms": round(fast["wall"], 3),
+                "reference_cpu_ms": round(ref["cpu"], 3), "fast_path_cpu_ms": round(fast["cpu"], 3),
+                "speedup_cpu_time": round(ref["cpu"] / fast["cpu"], 2),
             })
     print(json.dumps({"threads": args.threads, "torch": torch.__version__, "results": results}, indent=2))
 

@@ -5,6 +5,7 @@ sequence's context gathered once), then one fused
 :func:`torch.nn.functional.scaled_dot_product_attention` call over all sequences padded
 to ``max_lengths[0]``, with an explicit causal-with-offset mask. GQA groups the query
 heads of one kv head into the query-row dimension, so K/V are never repeated.
+float16 is computed in float32: CPU SDPA has no fast half-precision kernel (bfloat16 it has).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def ragged_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     B, S = batch.batch_size, batch.max_new
+    acc = torch.float32 if q.dtype == torch.float16 else q.dtype
     # rows (s, g) of one kv head: [B, S, Hkv, G, D] -> [B, Hkv, S * G, D]
-    q_rows = batch.pad(q).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
+    q_rows = batch.pad(q).to(acc).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
     mask = batch.mask().repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]
     out = F.scaled_dot_product_attention(
-        q_rows, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), attn_mask=mask, scale=scale
+        q_rows, k_ctx.to(acc).transpose(1, 2), v_ctx.to(acc).transpose(1, 2), attn_mask=mask, scale=scale
     )  # [B, Hkv, S * G, D]
     out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
-    return batch.unpad(out)
+    return batch.unpad(out).to(q.dtype)

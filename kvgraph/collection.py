@@ -104,27 +104,37 @@ class _LayerCache(abc.ABC):
         block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
         self.blocks.index_put_((block, row), values)
 
+    @abc.abstractmethod
+    def _gather_blocks(self, max_length: int) -> torch.Tensor:
+        """Copies of each batch entry's blocks, in token order: ``[batch, rows, Hkv, D]``.
+
+        ``rows`` covers at least ``max_length`` or the entry's whole capacity, whichever is
+        less. Rows past an entry's length are whatever the cache holds there.
+        """
+
     def load_padded(self, lengths: torch.Tensor, max_length: int) -> torch.Tensor:
         """The first ``lengths[b]`` tokens of every batch entry, zero padded.
 
+        Copies whole pages (paged) or slot prefixes (continuous) with one ``index_select``,
+        then zeroes the rows past each length, so stale or non-finite values there never
+        reach the result.
+
         Args:
-            lengths: integer ``[batch]``, each ``<= max_length``.
+            lengths: integer ``[batch]``, each ``<= max_length`` and within the entry's pages.
             max_length: padded length.
 
         Returns:
             ``[batch, max_length, Hkv, D]`` in the cache dtype; rows past ``lengths[b]`` are zero.
-            Only the requested tokens are read, so unused pages are never touched.
         """
         device = self.blocks.device
-        lengths = lengths.to(device=device, dtype=torch.long)
-        batch = lengths.shape[0]
-        total = int(lengths.sum())
-        # batch_idx, tok_idx: [total] -> (sequence, position) of every cached token
-        batch_idx = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=total)
-        starts = torch.cumsum(lengths, 0) - lengths
-        tok_idx = torch.arange(total, device=device) - starts[batch_idx]
-        out = self.blocks.new_zeros((batch, max_length, self.n_kv_heads, self.head_dim))
-        out[batch_idx, tok_idx] = self.load(batch_idx, tok_idx)
+        out = self._gather_blocks(max_length)[:, :max_length]
+        if out.shape[1] < max_length:
+            out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, max_length - out.shape[1]))
+        # (batch, row) of every padding row: usually few, so zero just those
+        pad_b, pad_row = torch.nonzero(
+            torch.arange(max_length, device=device)[None, :] >= lengths.to(device)[:, None], as_tuple=True
+        )
+        out[pad_b, pad_row] = 0
         return out
 
     def max_prompt_length(self) -> int:
@@ -155,6 +165,15 @@ class PagedKVCache(_LayerCache):
         page = self.lookup_table[batch_idx, tok_idx // self.page_size].long()
         return page, tok_idx % self.page_size
 
+    def _gather_blocks(self, max_length: int) -> torch.Tensor:
+        num_pages, page_size = self.blocks.shape[0], self.page_size
+        width = min(-(-max_length // page_size), self.lookup_table.shape[1])
+        # table: [batch, width] -> physical page; unused entries (= num_pages) read page 0
+        table = self.lookup_table[:, :width].long()
+        table = torch.where((table >= 0) & (table < num_pages), table, 0)
+        pages = self.blocks.index_select(0, table.flatten())  # [batch * width, page_size, Hkv, D]
+        return pages.view(table.shape[0], width * page_size, self.n_kv_heads, self.head_dim)
+
 
 class ContinuousBatchingKVCache(_LayerCache):
     """One layer's K or V over slots: ``blocks [max_batch_size, max_seq_len, Hkv, D]``.
@@ -165,6 +184,9 @@ class ContinuousBatchingKVCache(_LayerCache):
     def _locate(self, batch_idx: torch.Tensor, tok_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self.lookup_table[batch_idx].long()
         return torch.broadcast_tensors(slot, tok_idx)
+
+    def _gather_blocks(self, max_length: int) -> torch.Tensor:
+        return self.blocks[:, :max_length].index_select(0, self.lookup_table.long())
 
 
 class _Collection:
