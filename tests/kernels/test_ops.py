@@ -6,6 +6,7 @@ import pytest
 import torch
 from kvgraph.kernels import check_inputs, cpu, reference
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from kvgraph.errors import CacheInputError
 
@@ -183,3 +184,27 @@ def test_cuda_op_matches_golden(make_kv_case, check_against_golden, page_size):
     out = OP(*case.args())
     check_against_golden(out, case.golden(), ref)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+def test_fake_impl_on_symbolic_graph_inputs_adds_no_guards(strategy):
+    """As in a lowered graph: KV placeholders from the manager's symbols, token count symbolic."""
+    from kvgraph.managers import ragged_input_symbols
+    from kvgraph.params import KVCacheParams
+    from kvgraph.symbols import TensorType, fake_inputs
+
+    params = KVCacheParams(torch.float32, n_kv_heads=2, head_dim=16, num_layers=3, page_size=8,
+                           cache_strategy=strategy)
+    types = [
+        TensorType(torch.float32, ("total_tokens", 4, 16)),
+        TensorType(torch.float32, ("total_tokens", 2, 16)),
+        TensorType(torch.float32, ("total_tokens", 2, 16)),
+        *ragged_input_symbols(params),
+        TensorType(torch.int32, ("batch_size_plus_1",)),
+    ]
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    q, k, v, blocks, cache_lengths, lookup, max_lengths, offsets = fake_inputs(types, mode)
+    with mode:
+        out = OP(q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 2)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not mode.shape_env.guards
