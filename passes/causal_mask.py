@@ -1,0 +1,282 @@
+"""Prove that an attention site's mask is exactly causal, by evaluating it.
+
+A site changes its scores before softmax through a list of :class:`MaskEffect`s (an additive
+mask, a ``masked_fill``, a boolean SDPA ``attn_mask``). The tensors those effects read are
+computed by a *mask subgraph*. Lowering may drop that subgraph only if it is the plain
+causal mask, so :class:`MaskProver`:
+
+1. checks with the networkx view that the subgraph depends only on sizes (the token-count
+   SymInt, metadata reads of activations), position ids and constants (module buffers),
+   never on activations or other inputs (a padding ``attention_mask``);
+2. evaluates it concretely at several token counts (and, when it reads position ids, at two
+   position offsets), starting from zero scores, and compares the result with ``tril``:
+   every visible score must be left exactly unchanged, every future score pushed below
+   ``MASKED`` (``-inf`` or a very negative number).
+
+Sliding windows, padding masks, ALiBi or other biases, and non-causal masks all fail 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.node import map_aggregate
+
+from kvgraph.errors import LoweringError
+
+Node = torch.fx.Node
+
+MASKED = -1.0e4  # a score at or below this is hidden: exp(MASKED - O(10)) == 0 in every float dtype
+CHECK_TOKENS = (2, 3, 5, 8)  # token counts every mask is evaluated at (Dynamo specialises 0 and 1)
+MAX_CHECK_TOKENS = 2048  # largest token count a mask is evaluated at
+POSITION_OFFSETS = (0, 3)
+UNBOUNDED = 1 << 30  # integer literals this large (open slices, "no window") bound nothing  # positions arange(T) + offset: causal for a fresh and a continued sequence
+
+
+@dataclass(frozen=True)
+class MaskEffect:
+    """One change a site makes to its scores ``s`` before softmax.
+
+    ``kind="add"``: ``s + tensor``. ``kind="fill"``: ``where(tensor, s, value)`` when
+    ``keep_where`` (SDPA boolean masks, ``torch.where(cond, s, v)``), else
+    ``s.masked_fill(tensor, value)``.
+    """
+
+    kind: str
+    tensor: Node
+    value: float | Node | None = None
+    keep_where: bool = False
+
+    def nodes(self) -> list[Node]:
+        return [n for n in (self.tensor, self.value) if isinstance(n, Node)]
+
+
+class MaskProver:
+    """Evaluates mask subgraphs of one graph; ``prove`` raises ``LoweringError`` unless causal."""
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        view: GraphView,
+        token_count: int | torch.SymInt,
+        example_inputs: Sequence[object] | None = None,
+    ) -> None:
+        self.gm = gm
+        self.view = view
+        self.token_count = token_count
+        self.example_inputs = example_inputs
+        self._placeholder_index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+        self._proven: dict[tuple[MaskEffect, ...], str] = {}
+
+    # -- public --
+    def prove(self, site: Node, effects: Sequence[MaskEffect]) -> str:
+        """A one-line account of the check, or ``LoweringError`` naming ``site``."""
+        key = tuple(effects)
+        if key not in self._proven:
+            self._proven[key] = self._prove(site, key)
+        return self._proven[key]
+
+    def mask_nodes(self, effects: Sequence[MaskEffect]) -> set[Node]:
+        """The mask subgraph: every node whose values reach the effects' tensors."""
+        return self.view.data_ancestors(n for e in effects for n in e.nodes())
+
+    # -- steps --
+    def _prove(self, site: Node, effects: tuple[MaskEffect, ...]) -> str:
+        nodes = self.mask_nodes(effects)
+        leaves = self.view.leaves(nodes)
+        for leaf in leaves:
+            self._check_leaf(site, leaf)
+        has_positions = any(placeholder_kind(leaf) == "position" for leaf in leaves)
+        sizes = self._check_sizes(site, nodes, leaves)
+        offsets = POSITION_OFFSETS if has_positions else (0,)
+        ordered = sorted(nodes | self.view.shape_sources(nodes), key=self.view.order.__getitem__)
+        for T in sizes:
+            for offset in offsets:
+                scores = self._evaluate(site, ordered, nodes, effects, T, offset)
+                reason = _causal_violation(scores, T)
+                if reason is not None:
+                    where = f"{T} tokens" + (f", positions starting at {offset}" if has_positions else "")
+                    raise LoweringError(f"cannot lower attention {describe(site)}: its mask {reason} (at {where})")
+        return f"mask proven causal at {len(sizes)} token counts up to {max(sizes)}"
+
+    def _check_leaf(self, site: Node, leaf: Node) -> None:
+        kind = placeholder_kind(leaf)
+        if kind == "input":
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: its mask depends on graph input '{leaf.name}' "
+                "(a padding or custom mask); only causal masks built from sizes, position ids and "
+                "constant buffers can be lowered"
+            )
+        if kind == "size" and not self._is_token_count(meta_value(leaf)):
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: its mask depends on the size '{leaf.name}' "
+                f"= {meta_value(leaf)}, which is not the token count {self.token_count}"
+            )
+        if kind == "constant" and self._constant(leaf) is None:
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: its mask reads the constant '{leaf.name}' "
+                "whose value is not known; pass example_inputs= (the real inputs of the graph) to lower()"
+            )
+
+    def _check_sizes(self, site: Node, nodes: set[Node], leaves: list[Node]) -> list[int]:
+        """Token counts to evaluate at: the fixed ones, one past every integer literal of the
+        subgraph (a window of ``w`` tokens shows at ``w + 1``), and every dimension of the
+        constants it reads (a causal buffer is checked whole)."""
+        literals = {c for n in nodes if n.op.startswith("call") for c in _int_literals(n)}
+        dims = {d for leaf in leaves if placeholder_kind(leaf) == "constant" for d in self._constant(leaf).shape}
+        if isinstance(self.token_count, int):
+            T = self.token_count
+            beyond = sorted(c for c in literals | dims if c > T)
+            if beyond:
+                raise LoweringError(
+                    f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
+                    f"tokens, but its mask uses the size {beyond[0]} it cannot be checked at; "
+                    "capture with dynamic=True"
+                )
+            return [T]
+        wanted = set(CHECK_TOKENS) | {c + 1 for c in literals if c >= 2} | {d for d in dims if d >= 2}
+        too_big = sorted(s for s in wanted if s > MAX_CHECK_TOKENS)
+        if too_big:
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: its mask uses the size {too_big[0] - 1} "
+                f"(a window or buffer) beyond the {MAX_CHECK_TOKENS} tokens it can be checked at"
+            )
+        return sorted(wanted)
+
+    def _evaluate(
+        self, site: Node, ordered: list[Node], nodes: set[Node], effects: tuple[MaskEffect, ...],
+        T: int, offset: int,
+    ) -> torch.Tensor:
+        """The scores after the effects, starting from zeros: float64 ``[..., T, T]``."""
+        env: dict[Node, object] = {}
+        try:
+            for node in ordered:
+                if node not in nodes:
+                    env[node] = self._stand_in(site, node, T)
+                elif node.op in ("placeholder", "get_attr"):
+                    env[node] = self._leaf_value(site, node, T, offset)
+                else:
+                    env[node] = _run_node(self.gm, node, env)
+            scores = torch.zeros((T, T), dtype=torch.float64)
+            for e in effects:
+                tensor = torch.as_tensor(env[e.tensor]).cpu()
+                if e.kind == "add":
+                    scores = scores + tensor.to(torch.float64)
+                    continue
+                value = float(env[e.value] if isinstance(e.value, Node) else e.value)
+                cond = tensor.bool()
+                scores = torch.where(cond, scores, value) if e.keep_where else torch.where(cond, value, scores)
+        except LoweringError:
+            raise
+        except Exception as exc:  # any failure to evaluate means "cannot prove": refuse
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: its mask could not be evaluated at {T} tokens "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        return scores
+
+    # -- values of leaves --
+    def _is_token_count(self, size: object) -> bool:
+        if isinstance(self.token_count, int):
+            return isinstance(size, int) and size == self.token_count
+        return isinstance(size, torch.SymInt) and size.node.expr == self.token_count.node.expr
+
+    def _concrete(self, site: Node, size: object, T: int) -> int:
+        if isinstance(size, int):
+            return size
+        if isinstance(size, torch.SymInt) and not isinstance(self.token_count, int):
+            value = size.node.expr.subs(self.token_count.node.expr, T)
+            if value.is_Integer:
+                return int(value)
+        raise LoweringError(
+            f"cannot lower attention {describe(site)}: its mask has the size {size}, "
+            f"which is not a function of the token count {self.token_count}"
+        )
+
+    def _constant(self, leaf: Node) -> torch.Tensor | None:
+        if leaf.op == "get_attr":
+            value = self.gm
+            for atom in str(leaf.target).split("."):
+                value = getattr(value, atom)
+            return value
+        if self.example_inputs is None:
+            return None
+        value = self.example_inputs[self._placeholder_index[leaf]]
+        return None if isinstance(value, FakeTensor) or not isinstance(value, torch.Tensor) else value
+
+    def _leaf_value(self, site: Node, leaf: Node, T: int, offset: int) -> object:
+        kind = placeholder_kind(leaf)
+        if kind == "size":
+            return T
+        if kind == "constant":
+            return self._constant(leaf)
+        val = meta_value(leaf)  # positions
+        dims = [self._concrete(site, d, T) for d in val.shape]
+        if not dims or dims[-1] != T:
+            raise LoweringError(
+                f"cannot lower attention {describe(site)}: position ids '{leaf.name}' have shape "
+                f"{tuple(val.shape)}, expected [..., {self.token_count}]"
+            )
+        positions = torch.arange(offset, offset + T, dtype=val.dtype, device=val.device)
+        return positions.reshape([1] * (len(dims) - 1) + [T]).expand(dims).contiguous()
+
+    def _stand_in(self, site: Node, node: Node, T: int) -> object:
+        """A tensor of the right shape, dtype and device for a node read only for its metadata."""
+        val = meta_value(node)
+        if not isinstance(val, torch.Tensor):
+            return self._concrete(site, val, T)
+        return torch.empty([self._concrete(site, d, T) for d in val.shape], dtype=val.dtype, device=val.device)
+
+
+def _run_node(gm: torch.fx.GraphModule, node: Node, env: dict[Node, object]) -> object:
+    args = torch.fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    raise LoweringError(f"unexpected {describe(node)} in a mask subgraph")
+
+
+def _int_literals(node: Node) -> set[int]:
+    found: set[int] = set()
+
+    def visit(a: object) -> object:
+        if isinstance(a, int) and not isinstance(a, bool):
+            found.add(abs(a))
+        elif isinstance(a, slice):
+            for part in (a.start, a.stop, a.step):
+                visit(part)
+        return a
+
+    map_aggregate(node.args, visit)
+    map_aggregate(node.kwargs, visit)
+    return {c for c in found if c < UNBOUNDED}
+
+
+def _causal_violation(scores: torch.Tensor, T: int) -> str | None:
+    """Why ``scores`` ([..., T, T], zeros where visible) is not the causal mask, or None."""
+    if scores.dim() < 2 or tuple(scores.shape[-2:]) != (T, T) or scores.dim() > 4:
+        return f"has shape {tuple(scores.shape)}, not [..., {T}, {T}] (cross-attention or a non-square mask)"
+    lower = torch.ones(T, T, dtype=torch.bool).tril()
+    for z in scores.reshape(-1, T, T):
+        if torch.isnan(z).any():
+            return "produces NaN scores"
+        checks = (
+            (lower & (z <= MASKED), "hides earlier token {j} from token {i} (a sliding window or padding mask)"),
+            (lower & (z != 0) & (z > MASKED),
+             "adds the bias {b:g} to the score of token {i} for token {j} (ALiBi or another additive bias)"),
+            (~lower & (z > MASKED), "lets token {i} see the later token {j} (not causal)"),
+        )
+        for bad, message in checks:
+            if bad.any():
+                i, j = (int(x) for x in torch.nonzero(bad)[0])
+                return message.format(i=i, j=j, b=float(z[i, j]))
+    return None

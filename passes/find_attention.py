@@ -1,0 +1,325 @@
+"""Pass 1: locate the attention sites of a Dynamo graph and infer the cache they need.
+
+A site is either
+
+* ``F.scaled_dot_product_attention(q, k, v, ...)`` with ``is_causal=True`` or an
+  ``attn_mask`` proven causal, any ``scale``, ``enable_gqa``; or
+* the explicit pattern ``matmul(q, k.transpose(-2, -1)) -> (* scale | / scale)* ->
+  (+ mask | masked_fill | where)* -> softmax(-1) -> (cast | dropout p=0)* -> matmul(., v)``.
+
+K/V repeated for GQA (``repeat_kv``: expand + reshape, ``repeat_interleave``) are traced back
+to the un-repeated tensors, whose head count is the cache's ``n_kv_heads``. Every softmax over
+a ``[..., T, T]`` tensor is treated as attention: if it does not match, the graph is refused,
+never left half lowered. Refusals raise ``LoweringError`` naming the node, target and source line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from kvgraph.passes import patterns as P
+from kvgraph.passes.causal_mask import MaskEffect, MaskProver
+from kvgraph.passes.graph_view import GraphView, describe, meta_value, source_location
+from kvgraph.passes.log import log_pass
+
+from kvgraph.errors import LoweringError
+
+Node = torch.fx.Node
+
+
+@dataclass
+class AttentionSite:
+    """One attention call of the graph, as the lowering needs it.
+
+    ``q`` is ``[1, Hq, T, D]``; ``k``/``v`` are the un-repeated ``[1, Hkv, T, D]``; ``node``
+    (the SDPA call or the ``P @ V`` matmul, ``[1, Hq, T, D]``) is what the fused op replaces.
+    The op's ``scale`` is ``scale`` times the product of ``scale_factors`` (``("mul" | "div",
+    node)`` scalars computed at run time, folded into q).
+    """
+
+    node: Node
+    kind: str  # "sdpa" or "explicit"
+    q: Node
+    k: Node
+    v: Node
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float | None
+    scale_factors: tuple[tuple[str, Node], ...]
+    repeat: str | None  # how K/V were repeated: "expand+reshape", "repeat_interleave", "enable_gqa"
+    mask: str  # how causality was established
+    body: frozenset[Node]  # the nodes of the pattern itself
+    layer_idx: int = -1
+
+    @property
+    def location(self) -> str:
+        return source_location(self.node)
+
+    def __repr__(self) -> str:
+        return (f"AttentionSite(layer {self.layer_idx}: {self.kind} '{self.node.name}', Hq={self.n_heads}, "
+                f"Hkv={self.n_kv_heads}, D={self.head_dim}, {self.dtype}, scale={self.scale}, {self.mask})")
+
+
+@dataclass
+class AttentionAnalysis:
+    """What pass 1 found: the sites in execution order and the facts the other passes need."""
+
+    sites: list[AttentionSite]
+    token_count: int | torch.SymInt  # T of every site (the graph's number of new tokens)
+    mask_nodes: frozenset[Node]  # nodes that only build masks: they die with the sites
+    view: GraphView = field(repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.sites)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.sites[0].n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.sites[0].head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sites[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.sites[0].device
+
+
+@dataclass
+class _Match:
+    """A matched pattern before the checks that need the whole graph."""
+
+    node: Node
+    kind: str
+    q: Node
+    k: Node  # as consumed (maybe repeated)
+    v: Node
+    scale: float | None
+    scale_factors: tuple[tuple[str, Node], ...]
+    effects: tuple[MaskEffect, ...]
+    mask: str
+    gqa: bool
+    body: frozenset[Node]
+
+
+def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> AttentionAnalysis:
+    """Find and check every attention site of ``gm`` (not modified); ``LoweringError`` on refusal.
+
+    ``example_inputs`` (real tensors for ``gm``'s placeholders, as a Dynamo backend receives
+    them) let masks that read constant buffers be evaluated.
+    """
+    start = time.perf_counter()
+    view = GraphView(gm)
+    matches = [m for node in gm.graph.nodes if (m := _match(view, node)) is not None]
+    if not matches:
+        raise LoweringError("no attention site found in the graph: nothing to lower")
+    token_count = P.shape(matches[0].q)[2] if len(P.shape(matches[0].q) or ()) == 4 else None
+    prover = MaskProver(gm, view, token_count, example_inputs)
+    sites = [_check(view, prover, m, token_count) for m in matches]
+    for i, site in enumerate(sites):
+        site.layer_idx = i
+    _check_uniform(sites)
+    mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
+    dead = view.only_feeding(mask_nodes, set().union(*(s.body for s in sites)))
+    analysis = AttentionAnalysis(sites, token_count, frozenset(dead), view)
+    kinds = ", ".join(sorted({f"{s.kind}" + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
+    log_pass("find_attention", start,
+             f"{len(sites)} sites ({kinds}), Hkv={analysis.n_kv_heads}, D={analysis.head_dim}, "
+             f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask}")
+    return analysis
+
+
+# -- matching --
+def _match(view: GraphView, node: Node) -> _Match | None:
+    if P.is_sdpa(node):
+        return _match_sdpa(node)
+    if P.is_last_dim_softmax(node) and P.is_token_square(node.args[0]):
+        return _match_explicit(view, node)
+    if P.is_attention_target(node):
+        raise LoweringError(f"cannot lower attention {describe(node)}: unsupported attention op")
+    return None
+
+
+def _match_sdpa(node: Node) -> _Match:
+    a = P.sdpa_args(node)
+    dropout, is_causal, mask, scale = a["dropout_p"], a["is_causal"], a["attn_mask"], a["scale"]
+    if not (isinstance(dropout, (int, float)) and dropout == 0):
+        raise LoweringError(f"cannot lower attention {describe(node)}: dropout_p={dropout!r} is not 0")
+    if not isinstance(is_causal, bool):
+        raise LoweringError(f"cannot lower attention {describe(node)}: is_causal={is_causal!r} is not a constant")
+    if mask is None and not is_causal:
+        raise LoweringError(
+            f"cannot lower attention {describe(node)}: is_causal=False without an attn_mask is "
+            "bidirectional (not causal) attention"
+        )
+    if mask is not None and is_causal:
+        raise LoweringError(f"cannot lower attention {describe(node)}: both attn_mask and is_causal=True")
+    if isinstance(mask, Node):
+        dtype = getattr(meta_value(mask), "dtype", None)
+        effects = ((MaskEffect("fill", mask, float("-inf"), keep_where=True),) if dtype == torch.bool
+                   else (MaskEffect("add", mask),))
+    elif mask is None:
+        effects = ()
+    else:
+        raise LoweringError(f"cannot lower attention {describe(node)}: attn_mask={mask!r} is not a tensor")
+    factors: tuple[tuple[str, Node], ...] = ()
+    if isinstance(scale, Node):
+        if not P.is_scalar(scale):
+            raise LoweringError(f"cannot lower attention {describe(node)}: scale '{scale.name}' is not a scalar")
+        factors, scale = (("mul", scale),), 1.0
+    elif scale is not None:
+        scale = float(scale)
+    return _Match(node, "sdpa", a["query"], a["key"], a["value"], scale, factors, effects,
+                  "is_causal=True" if is_causal else "", bool(a["enable_gqa"]), frozenset((node,)))
+
+
+def _match_explicit(view: GraphView, softmax: Node) -> _Match:
+    steps = _score_chain(softmax.args[0])
+    if steps is None:
+        raise LoweringError(
+            f"cannot lower attention {describe(softmax)}: softmax over [..., T, T] scores that do not "
+            "come from matmul(q, k.transpose(-2, -1)) through scales and masks"
+        )
+    qk, chain = steps
+    q, k = qk.args[0], P.strip_transpose_last2(qk.args[1])
+    scale, factors, effects = 1.0, [], []
+    for node, pos in chain:
+        side = [a for i, a in enumerate(node.args) if i != pos]
+        if P.is_call(node, P.CASTS):
+            continue
+        if P.is_call(node, P.MUL) and len(side) == 1 and P.is_scalar(side[0]):
+            scale, factors = _apply_factor("mul", side[0], scale, factors)
+        elif P.is_call(node, P.DIV) and pos == 0 and len(side) == 1 and P.is_scalar(side[0]):
+            scale, factors = _apply_factor("div", side[0], scale, factors)
+        elif P.is_call(node, P.ADD) and len(side) == 1 and isinstance(side[0], Node) and not P.is_scalar(side[0]):
+            effects.append(MaskEffect("add", side[0]))
+        elif P.is_call(node, P.MASKED_FILL) and pos == 0:
+            effects.append(MaskEffect("fill", P.arg(node, 1, "mask"), P.arg(node, 2, "value")))
+        elif P.is_call(node, P.WHERE) and pos in (1, 2) and len(node.args) == 3:
+            cond, value = node.args[0], node.args[3 - pos]
+            effects.append(MaskEffect("fill", cond, value, keep_where=(pos == 1)))
+        else:
+            raise LoweringError(f"cannot lower attention {describe(node)}: unsupported op on the attention scores")
+    pv, tail = _weights_to_pv(softmax)
+    if not effects:
+        raise LoweringError(
+            f"cannot lower attention {describe(softmax)}: no mask between the scores and softmax "
+            "(bidirectional attention is not causal)"
+        )
+    body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in chain)})
+    return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body)
+
+
+def _score_chain(node: object) -> tuple[Node, list[tuple[Node, int]]] | None:
+    """``(qk_matmul, [(op, index of the scores operand), ...] from the matmul to softmax)``."""
+    if not isinstance(node, Node):
+        return None
+    if P.is_call(node, P.MATMUL) and P.strip_transpose_last2(node.args[1]) is not None:
+        return node, []
+    if not any(P.is_call(node, kind) for kind in (P.CASTS, P.MUL, P.DIV, P.ADD, P.MASKED_FILL, P.WHERE)):
+        return None
+    for pos, operand in enumerate(node.args):
+        found = _score_chain(operand)
+        if found is not None:
+            qk, chain = found
+            return qk, [*chain, (node, pos)]
+    return None
+
+
+def _apply_factor(op: str, value: object, scale: float, factors: list) -> tuple[float, list]:
+    if isinstance(value, Node):
+        return scale, [*factors, (op, value)]
+    return (scale * value if op == "mul" else scale / value), factors
+
+
+def _weights_to_pv(softmax: Node) -> tuple[Node, list[Node]]:
+    """The ``P @ V`` matmul that consumes the softmax (through casts and p=0 dropout), and the nodes between."""
+    node, tail = softmax, []
+    while True:
+        user = P.sole_user(node)
+        if user is None:
+            names = ", ".join(u.name for u in node.users) or "nothing"
+            raise LoweringError(
+                f"cannot lower attention {describe(softmax)}: the attention weights '{node.name}' are used by "
+                f"{names}, not only by P @ V"
+            )
+        if P.is_call(user, P.MATMUL) and user.args[0] is node:
+            return user, tail
+        if not (P.is_call(user, P.CASTS) or P.is_identity_dropout(user)):
+            raise LoweringError(
+                f"cannot lower attention {describe(softmax)}: the attention weights feed {describe(user)}, "
+                "not P @ V"
+            )
+        node = user
+        tail.append(node)
+
+
+# -- checks --
+def _check(view: GraphView, prover: MaskProver, m: _Match, token_count: object) -> AttentionSite:
+    """Shapes, GQA, cross-attention and causality of one match."""
+    def refuse(why: str) -> LoweringError:
+        return LoweringError(f"cannot lower attention {describe(m.node)}: {why}")
+
+    qs, ks, vs = P.shape(m.q), P.shape(m.k), P.shape(m.v)
+    if not (qs and ks and vs and len(qs) == len(ks) == len(vs) == 4):
+        raise refuse(f"q, k, v must be [batch, heads, tokens, head_dim], got {qs}, {ks}, {vs}")
+    if qs[0] != 1 or ks[0] != 1 or vs[0] != 1:
+        raise refuse(f"the graph attends over a batch of {qs[0]}; lower graphs written for one sequence [1, T]")
+    if not P.same_size(qs[2], token_count):
+        raise refuse(f"q has {qs[2]} tokens but the graph's other sites have {token_count}")
+    if not (P.same_size(ks[2], qs[2]) and P.same_size(vs[2], qs[2])):
+        raise refuse(f"K/V have {ks[2]} positions but Q has {qs[2]} (cross-attention or a KV cache in the graph)")
+    q_src, k_src, v_src = (view.input_sources(n) for n in (m.q, m.k, m.v))
+    if k_src != q_src or v_src != q_src:
+        other = sorted(n.name for n in (k_src | v_src) ^ q_src)
+        raise refuse(f"K/V and Q come from different graph inputs ({', '.join(other)}): cross-attention")
+    k, v, how = _unrepeat(m)
+    ks, vs = P.shape(k), P.shape(v)
+    Hq, D, Hkv = qs[1], qs[3], ks[1]
+    if not all(isinstance(x, int) for x in (Hq, D, Hkv, vs[1], vs[3])):
+        raise refuse(f"head counts and head_dim must be static, got q {qs}, k {ks}, v {vs}")
+    if vs[1] != Hkv or vs[3] != D or ks[3] != D:
+        raise refuse(f"k {ks} and v {vs} must both be [1, Hkv, T, {D}]")
+    if Hq % Hkv != 0 or (Hkv != Hq and how is None):
+        raise refuse(f"{Hq} query heads cannot share {Hkv} kv heads")
+    dtypes = {meta_value(n).dtype for n in (m.q, k, v)}
+    if len(dtypes) != 1:
+        raise refuse(f"q, k, v dtypes differ: {sorted(map(str, dtypes))}")
+    mask = m.mask or prover.prove(m.node, m.effects)
+    val = meta_value(m.q)
+    return AttentionSite(m.node, m.kind, m.q, k, v, Hq, Hkv, D, val.dtype, val.device, m.scale,
+                         m.scale_factors, how, mask, m.body)
+
+
+def _unrepeat(m: _Match) -> tuple[Node, Node, str | None]:
+    """The un-repeated K and V of a match (both or neither), and how they were repeated."""
+    if m.gqa:
+        return m.k, m.v, "enable_gqa"
+    k, v = P.unrepeat_kv(m.k), P.unrepeat_kv(m.v)
+    if k.how is None or v.how is None or P.shape(k.node)[1] != P.shape(v.node)[1]:
+        return m.k, m.v, None
+    return k.node, v.node, k.how
+
+
+def _check_uniform(sites: list[AttentionSite]) -> None:
+    """One cache layout serves every layer: all sites share Hkv, head_dim, dtype and device."""
+    first = sites[0]
+    for s in sites[1:]:
+        for name in ("n_kv_heads", "head_dim", "dtype", "device"):
+            if getattr(s, name) != getattr(first, name):
+                raise LoweringError(
+                    f"cannot lower attention {describe(s.node)}: {name}={getattr(s, name)} differs from "
+                    f"{name}={getattr(first, name)} of layer 0 ({first.node.name}); one cache needs one layout"
+                )
