@@ -1,0 +1,64 @@
+"""``ragged_attention``: the Triton implementation of ``kvgraph::ragged_attention``.
+
+It takes exactly the custom op's arguments: it stores the new keys/values (one launch), then
+runs flash-decoding when every sequence has one new token (``max_lengths[0, 0] == 1``, read
+from the CPU tensor without a device sync) and the prefill kernel otherwise. It never calls
+the op itself, so the op's CUDA implementation can call it.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvgraph.kernels.triton.checks import check_launch
+from kvgraph.kernels.triton.decode import choose_num_splits, launch_decode, multiprocessors
+from kvgraph.kernels.triton.launch import on_device
+from kvgraph.kernels.triton.layout import PagedLayer
+from kvgraph.kernels.triton.prefill import launch_prefill
+from kvgraph.kernels.triton.store import launch_store
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    layer_idx: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Store the new tokens' K/V into the cache, then causal attention over each sequence's cache.
+
+    Args:
+        q: ``[T, Hq, D]`` new tokens of all sequences, flattened (ragged).
+        k, v: ``[T, Hkv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+        kv_blocks: paged ``[total_num_pages, 2, num_layers, page_size, Hkv, D]`` or continuous
+            ``[max_batch_size, 2, num_layers, max_seq_len, Hkv, D]`` (axis 1: 0 = K, 1 = V);
+            layer ``layer_idx`` is written in place.
+        cache_lengths: ``int32 [batch]`` tokens cached before this step.
+        lookup_table: ``int32 [batch, max_num_pages]`` (paged, unused entries ``total_num_pages``)
+            or ``[batch]`` (continuous: ``b -> slot``).
+        input_row_offsets: ``int32 [batch + 1]`` prefix sums of new tokens per sequence.
+        max_lengths: ``int32 [num_steps, 2]`` on the CPU, row 0 ``[max new tokens, max cached + new]``.
+        layer_idx: the layer of this attention.
+        scale: softmax scale, ``1/sqrt(D)`` when None.
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype: token ``i`` of sequence ``b`` (at position
+        ``pos = cache_lengths[b] + i - input_row_offsets[b]``) attends to positions ``0..pos``.
+
+    Raises:
+        CacheInputError: a shape, dtype, device or layout the kernels cannot take; nothing is written.
+    """
+    plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
+                        layer_idx, scale)
+    cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
+    with on_device(q):
+        launch_store(k, v, cache, cache_lengths, input_row_offsets)
+        if plan.max_new == 1:
+            splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_context,
+                                       multiprocessors(q.device))
+            return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, splits)
+        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale)

@@ -1,0 +1,95 @@
+"""``@triton.jit`` helpers shared by the store, prefill and decode kernels.
+
+- :func:`locate_block` maps a program to (sequence, block of its new tokens) without a
+  host-side schedule: block ``j`` of sequence ``b`` is program ``offs[b] // BLOCK + b + j``,
+  so ``T // BLOCK + batch`` programs cover any ragged batch (surplus programs exit).
+- :func:`lookup_pages` / :func:`kv_rows` turn positions of one sequence into cache offsets
+  through the lookup table.
+- :func:`attend_tile` is one step of the online softmax over a tile of cached keys/values.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def locate_block(RowOffsets, pid, batch, BLOCK: tl.constexpr):
+    """Sequence ``b`` and block index ``j`` of program ``pid``.
+
+    ``b`` is the last sequence whose first block ``offs[b] // BLOCK + b`` is ``<= pid``;
+    ``j = pid - offs[b] // BLOCK - b`` may exceed the sequence's blocks (the caller exits).
+    Returns ``(b, j, start, n_new)`` with ``start = offs[b]`` and ``n_new = offs[b+1] - offs[b]``.
+    """
+    lo: tl.int32 = 0
+    hi = batch
+    # -- binary search: largest b in [0, batch) with first_block(b) <= pid --
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(RowOffsets + mid) // BLOCK + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid
+    start = tl.load(RowOffsets + lo)
+    n_new = tl.load(RowOffsets + lo + 1) - start
+    return lo, pid - start // BLOCK - lo, start, n_new
+
+
+@triton.jit
+def lookup_pages(Lookup, pos, valid, stride_lut_p, PAGE_SIZE: tl.constexpr):
+    """Physical pages (int64) of positions ``pos`` of one sequence; masked-off positions give 0.
+
+    ``Lookup`` points at the sequence's lookup row.
+    """
+    page = tl.load(Lookup + (pos // PAGE_SIZE) * stride_lut_p, mask=valid, other=0)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def kv_rows(page, pos, stride_page, stride_row, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of the cache rows of positions ``pos`` held in pages ``page``."""
+    return page * stride_page + (pos % PAGE_SIZE).to(tl.int64) * stride_row
+
+
+@triton.jit
+def attend_tile(
+    acc, m_i, l_i, q, q_pos,
+    K, V, Lookup, start_n, kv_end,
+    stride_lut_p, stride_page, stride_row, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
+
+    acc: [M, HEAD_DIM_PAD] fp32 un-normalised output; m_i, l_i: [M] fp32 running max (log2
+    units) and sum; q: [M, HEAD_DIM_PAD] in the cache dtype; q_pos: [M] int32 position of each
+    query row, used when ``CAUSAL`` (keys after a row's own position are masked).
+    ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    kv_valid = offs_n < kv_end
+    d_valid = offs_d < HEAD_DIM
+    page = lookup_pages(Lookup, offs_n, kv_valid, stride_lut_p, PAGE_SIZE)
+    rows = kv_rows(page, offs_n, stride_page, stride_row, PAGE_SIZE)  # [BLOCK_N]
+
+    # -- load K tile transposed: [HEAD_DIM_PAD, BLOCK_N] --
+    k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
+    # fp32 caches use full-precision products (no TF32), matching the PyTorch reference
+    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N]
+    if CAUSAL:
+        visible = kv_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    else:
+        visible = kv_valid[None, :]
+    s = tl.where(visible, s, float("-inf"))
+
+    # -- online softmax update --
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # -- load V tile: [BLOCK_N, HEAD_DIM_PAD] and accumulate --
+    v = tl.load(V + rows[:, None] + offs_d[None, :], mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    return acc, m_new, l_i

@@ -1,0 +1,102 @@
+"""``ragged_attention``: the op's arguments, the store, dispatch to decode or prefill, and steps
+of a generation; on CUDA, a Hugging Face Llama through ``kvgraph.compile`` keeps its greedy tokens."""
+
+import kvgraph.kernels.triton.api as api
+import pytest
+import torch
+from kvgraph.kernels.triton import ragged_attention
+from triton_cases import DEVICE, gpu, reference_output
+
+
+def test_every_batch_shape_and_cache_layout(make_kv_case, check_against_golden, ragged_lengths, cache_page_size):
+    case = make_kv_case(ragged_lengths, page_size=cache_page_size, device=DEVICE)
+    before = case.kv_blocks.clone()
+    ref = reference_output(case)
+    out = ragged_attention(*case.args())
+    check_against_golden(out, case.golden(), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@pytest.mark.parametrize(
+    "lengths, kernel", [([(5, 1), (0, 1), (9, 0)], "decode"), ([(5, 1), (0, 2)], "prefill")]
+)
+def test_dispatches_on_max_new_tokens(make_kv_case, check_against_golden, monkeypatch, lengths, kernel):
+    calls = []
+    for name in ("launch_decode", "launch_prefill"):
+        launch = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _launch=launch, _name=name, **k: calls.append(_name) or _launch(*a, **k))
+    case = make_kv_case(lengths, device=DEVICE)
+    ref = reference_output(case)
+    check_against_golden(ragged_attention(*case.args()), case.golden(), ref)
+    assert calls == [f"launch_{kernel}"]
+
+
+def _step(case, chunks):
+    """Op arguments running ``chunks[b] = (start, n)``: tokens ``start .. start + n`` of sequence
+    ``b`` of a one-step ``case`` whose sequences all start with an empty cache."""
+    offs = case.input_row_offsets.tolist()
+    rows = torch.cat([torch.arange(offs[b] + s, offs[b] + s + n) for b, (s, n) in enumerate(chunks)]).to(DEVICE)
+    new = [n for _, n in chunks]
+    as_int32 = dict(dtype=torch.int32, device=DEVICE)
+    return rows, (
+        case.q[rows], case.k[rows], case.v[rows], case.kv_blocks,
+        torch.tensor([s for s, _ in chunks], **as_int32), case.lookup_table,
+        torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), **as_int32),
+        torch.tensor([[max(new), max(s + n for s, n in chunks)]], dtype=torch.int32),
+        case.layer_idx,
+    )
+
+
+def test_steps_of_a_generation_read_what_earlier_steps_wrote(make_kv_case, check_against_golden, cache_page_size):
+    # prefill, decodes, a chunk beside a decode, a step one sequence sits out: each step's output
+    # equals the rows of the same tokens attended in one single step
+    case = make_kv_case([(0, 14), (0, 9)], page_size=cache_page_size, device=DEVICE)
+    before = case.kv_blocks.clone()
+    ref, gold = reference_output(case), case.golden()
+    schedule = [[(0, 9), (0, 5)], [(9, 1), (5, 1)], [(10, 1), (6, 3)], [(11, 1), (9, 0)], [(12, 2), (9, 0)]]
+    for chunks in schedule:
+        rows, args = _step(case, chunks)
+        check_against_golden(ragged_attention(*args), gold[rows.cpu()], ref[rows])
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, page_size", [("paged", 16), ("paged", 1), ("continuous", 16)])
+def test_llama_greedy_tokens_on_cuda_match_hf_generate(monkeypatch, strategy, page_size):
+    import kvgraph
+    from kvgraph.managers import load_kv_manager
+    from kvgraph.params import KVCacheParams
+    from kvgraph.presets import load_preset
+    from kvgraph.request import KVRequest
+    from kvgraph.step import run_step
+
+    calls = []
+    for name in ("launch_decode", "launch_prefill"):
+        launch = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _launch=launch, _name=name, **k: calls.append(_name) or _launch(*a, **k))
+    model, _ = load_preset("llama-small")
+    model = model.to("cuda").eval()
+    c = model.config
+    params = KVCacheParams(torch.float32, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                           c.num_hidden_layers, page_size=page_size, cache_strategy=strategy, device="cuda")
+    manager = load_kv_manager(params, max_batch_size=4, max_seq_len=128)
+    compiled = kvgraph.compile(model, manager=manager, inner="eager")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (17, 5, 33)]
+    steps = 12
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=steps, min_new_tokens=steps,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+        seq_ids = manager.claim(len(prompts))
+        generated = [[] for _ in prompts]
+        batch = [KVRequest(s, p) for s, p in zip(seq_ids, prompts, strict=True)]
+        for _ in range(steps):
+            out = run_step(compiled, manager, batch)
+            logits = out if isinstance(out, torch.Tensor) else out.logits
+            for b, token in enumerate(logits[0].argmax(-1).tolist()):
+                generated[b].append(token)
+            batch = [KVRequest(s, [gen[-1]]) for s, gen in zip(seq_ids, generated, strict=True)]
+    assert generated == expected
+    assert {"launch_prefill", "launch_decode"} <= set(calls)

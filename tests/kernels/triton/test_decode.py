@@ -1,0 +1,88 @@
+"""Flash-decoding (split context + reduction) against the fp64 golden, and the split heuristic."""
+
+import pytest
+import torch
+from kvgraph.kernels.triton import decode_attention
+from kvgraph.kernels.triton.decode import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
+from triton_cases import BF16, DEVICE, gpu, reference_output
+
+from kvgraph.errors import CacheInputError
+
+# empty cache, short, page exactly full after the step, long odd context, no new token
+DECODE = [(0, 1), (5, 1), (15, 1), (96, 1), (8, 0)]
+
+
+def _check(case, check_against_golden, num_splits, scale=None):
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, scale)
+    out = decode_attention(*case.args(), scale=scale, num_splits=num_splits)
+    check_against_golden(out, case.golden(scale), ref)
+    torch.testing.assert_close(case.kv_blocks, case.expected_blocks(before), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_decode_split_k_matches_golden(make_kv_case, check_against_golden, num_splits):
+    # 7 splits of a 97-position context: 16-key splits, the last one partial, short contexts
+    # leave most splits empty
+    case = make_kv_case(DECODE, n_heads=4, n_kv_heads=2, head_dim=80, page_size=16, device=DEVICE)
+    _check(case, check_against_golden, num_splits)
+
+
+@pytest.mark.parametrize(
+    "head_dim, page_size, n_heads, n_kv_heads",
+    [(64, 1, 2, 2), (96, 128, 8, 1), (128, None, 6, 2), (256, 16, 2, 1)],
+)
+def test_decode_shapes_match_golden(make_kv_case, check_against_golden, head_dim, page_size, n_heads, n_kv_heads):
+    case = make_kv_case(DECODE, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                        page_size=page_size, device=DEVICE)
+    _check(case, check_against_golden, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+def test_decode_half_precision(make_kv_case, check_against_golden, dtype):
+    case = make_kv_case(DECODE, head_dim=64, dtype=dtype, device=DEVICE)
+    _check(case, check_against_golden, num_splits=4)
+
+
+def test_decode_never_reads_rows_outside_the_sequences(make_kv_case, check_against_golden):
+    case = make_kv_case(DECODE, head_dim=64, page_size=16, fill=float("nan"), device=DEVICE)
+    _check(case, check_against_golden, num_splits=5)
+
+
+def test_decode_scale_argument(make_kv_case, check_against_golden):
+    case = make_kv_case([(40, 1)], head_dim=64, device=DEVICE)
+    scaled = _check(case.clone(), check_against_golden, num_splits=2, scale=0.25)
+    assert not torch.allclose(scaled, decode_attention(*case.args(), num_splits=2), atol=1e-3)
+
+
+def test_decode_rejects_a_prefill_batch_and_leaves_cache_unchanged(make_kv_case):
+    case = make_kv_case([(3, 2), (4, 1)], device=DEVICE)
+    before = case.kv_blocks.clone()
+    with pytest.raises(CacheInputError, match=r"max_lengths\[0, 0\] = 2"):
+        decode_attention(*case.args())
+    with pytest.raises(CacheInputError, match="num_splits must be an int in"):
+        decode_attention(*make_kv_case([(3, 1)], device=DEVICE).args(), num_splits=MAX_SPLITS + 1)
+    assert torch.equal(case.kv_blocks, before)
+
+
+def test_choose_num_splits_fills_the_device_only_for_long_contexts():
+    # one long sequence on 132 multiprocessors: split until the device is full
+    assert choose_num_splits(batch=1, n_kv_heads=8, max_context=32768, multiprocessors=132) == 33
+    # enough sequences to fill the device already: no split
+    assert choose_num_splits(batch=256, n_kv_heads=8, max_context=32768, multiprocessors=132) == 1
+    # a short context is not cut below MIN_SPLIT_TOKENS positions per split
+    assert choose_num_splits(batch=1, n_kv_heads=1, max_context=3 * MIN_SPLIT_TOKENS, multiprocessors=132) == 3
+    # never more than MAX_SPLITS
+    assert choose_num_splits(batch=1, n_kv_heads=1, max_context=1 << 20, multiprocessors=132) == MAX_SPLITS
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 256, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_long_context_cuda(make_kv_case, check_against_golden, head_dim, page_size, dtype):
+    lengths = [(32 * 1024 - 1, 1), (5000, 1), (0, 1), (255, 1)]
+    case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=head_dim, page_size=page_size,
+                        dtype=dtype, device="cuda")
+    _check(case, check_against_golden, num_splits=None)
