@@ -9,7 +9,7 @@ import torch
 import triton
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel
-from kvgraph.kernels.triton.launch import on_device
+from kvgraph.kernels.triton.launch import dot_precision, on_device
 from kvgraph.kernels.triton.layout import MIN_DOT, PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.kernels.triton.store import launch_store
 
@@ -105,6 +105,7 @@ def launch_decode(
         num_splits, scale * math.log2(math.e),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         BLOCK_H=max(MIN_DOT, next_power_of_2(group)), PAGE_SIZE=cache.page_size,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     decode_reduce_kernel[(batch, n_heads)](
         out, part_acc, part_max, part_sum, input_row_offsets,

@@ -20,7 +20,7 @@ def decode_split_kernel(
     stride_qt, stride_qh, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     num_splits, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (sequence, KV head, split): attention of the sequence's query, for every query head
     of the KV head, over one contiguous share of its positions.
@@ -64,7 +64,7 @@ def decode_split_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, K, V, lut, start_n, hi,
             stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
         )
 
     # -- write the partial state --

@@ -15,3 +15,8 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 def block_programs(num_tokens: int, batch: int, block: int) -> int:
     """Programs covering every ``block``-token block of a ragged batch (see ``locate_block``)."""
     return num_tokens // block + batch
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: full fp32 products for fp32 (no TF32, as the PyTorch reference)."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -6,7 +6,7 @@ import math
 
 import torch
 from kvgraph.kernels.triton.checks import check_launch
-from kvgraph.kernels.triton.launch import block_programs, on_device
+from kvgraph.kernels.triton.launch import block_programs, dot_precision, on_device
 from kvgraph.kernels.triton.layout import PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.kernels.triton.prefill_kernel import prefill_kernel
 from kvgraph.kernels.triton.store import launch_store
@@ -67,5 +67,6 @@ def launch_prefill(
         batch, scale * math.log2(math.e),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
         GROUP=group, GROUP_PAD=next_power_of_2(group), PAGE_SIZE=cache.page_size,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     return out

@@ -15,7 +15,7 @@ def prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     batch, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (block of BLOCK_Q new tokens of one sequence, KV head): causal attention of the
     block's queries of every query head of that KV head over the sequence's cache.
@@ -57,7 +57,7 @@ def prefill_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, K, V, lut, start_n, full_end,
             stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
         )
     # -- phase 2: the diagonal, up to the block's last new token, causally masked --
     kv_end = cached + tl.minimum(q0 + BLOCK_Q, n_new)
@@ -65,7 +65,7 @@ def prefill_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, K, V, lut, start_n, kv_end,
             stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
 
     # -- epilogue: normalise and store --

@@ -23,20 +23,21 @@ def store_kv_kernel(
     """
     head = tl.program_id(1)
     b, j, start, n_new = locate_block(RowOffsets, tl.program_id(0), batch, BLOCK_T)
-    if j * BLOCK_T < n_new:
-        offs_t = j * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token index within the sequence
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        t_valid = offs_t < n_new
-        pos = tl.load(CacheLengths + b) + offs_t  # [BLOCK_T] positions in the cache
+    if j * BLOCK_T >= n_new:
+        return
+    offs_t = j * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token index within the sequence
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    t_valid = offs_t < n_new
+    pos = tl.load(CacheLengths + b) + offs_t  # [BLOCK_T] positions in the cache
 
-        # -- destination rows --
-        page = lookup_pages(Lookup + b * stride_lut_b, pos, t_valid, stride_lut_p, PAGE_SIZE)
-        rows = kv_rows(page, pos, stride_page, stride_row, PAGE_SIZE) + head * stride_head
-        mask = (t_valid & (page < num_pages))[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tok = (start + offs_t).to(tl.int64)  # [BLOCK_T] rows of k and v
+    # -- destination rows --
+    page = lookup_pages(Lookup + b * stride_lut_b, pos, t_valid, stride_lut_p, PAGE_SIZE)
+    rows = kv_rows(page, pos, stride_page, stride_row, PAGE_SIZE) + head * stride_head
+    mask = (t_valid & (page < num_pages))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok = (start + offs_t).to(tl.int64)  # [BLOCK_T] rows of k and v
 
-        # -- copy K, then V --
-        k = tl.load(K + tok[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=mask)
-        tl.store(Cache + rows[:, None] + offs_d[None, :], k, mask=mask)
-        v = tl.load(V + tok[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=mask)
-        tl.store(Cache + stride_kv + rows[:, None] + offs_d[None, :], v, mask=mask)
+    # -- copy K, then V --
+    k = tl.load(K + tok[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=mask)
+    tl.store(Cache + rows[:, None] + offs_d[None, :], k, mask=mask)
+    v = tl.load(V + tok[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(Cache + stride_kv + rows[:, None] + offs_d[None, :], v, mask=mask)

@@ -57,7 +57,7 @@ def attend_tile(
     K, V, Lookup, start_n, kv_end,
     stride_lut_p, stride_page, stride_row, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
 
@@ -65,6 +65,7 @@ def attend_tile(
     units) and sum; q: [M, HEAD_DIM_PAD] in the cache dtype; q_pos: [M] int32 position of each
     query row, used when ``CAUSAL`` (keys after a row's own position are masked).
     ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0.
+    ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -75,8 +76,7 @@ def attend_tile(
 
     # -- load K tile transposed: [HEAD_DIM_PAD, BLOCK_N] --
     k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
-    # fp32 caches use full-precision products (no TF32), matching the PyTorch reference
-    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if CAUSAL:
         visible = kv_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
     else:
@@ -91,5 +91,5 @@ def attend_tile(
 
     # -- load V tile: [BLOCK_N, HEAD_DIM_PAD] and accumulate --
     v = tl.load(V + rows[:, None] + offs_d[None, :], mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i

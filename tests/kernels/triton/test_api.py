@@ -31,6 +31,14 @@ def test_dispatches_on_max_new_tokens(make_kv_case, check_against_golden, monkey
     assert calls == [f"launch_{kernel}"]
 
 
+def test_a_step_without_new_tokens_returns_an_empty_output(make_kv_case):
+    case = make_kv_case([(3, 0), (5, 0)], device=DEVICE)
+    before = case.kv_blocks.clone()
+    out = ragged_attention(*case.args())
+    assert out.shape == (0, *case.q.shape[1:]) and out.dtype == case.q.dtype
+    assert torch.equal(case.kv_blocks, before)
+
+
 def _step(case, chunks):
     """Op arguments running ``chunks[b] = (start, n)``: tokens ``start .. start + n`` of sequence
     ``b`` of a one-step ``case`` whose sequences all start with an empty cache."""
@@ -58,6 +66,20 @@ def test_steps_of_a_generation_read_what_earlier_steps_wrote(make_kv_case, check
         rows, args = _step(case, chunks)
         check_against_golden(ragged_attention(*args), gold[rows.cpu()], ref[rows])
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@gpu
+def test_the_op_on_cuda_runs_these_kernels(make_kv_case, check_against_golden, monkeypatch):
+    calls = []
+    launch = api.launch_prefill
+    monkeypatch.setattr(api, "launch_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    case = make_kv_case([(20, 1), (0, 17), (7, 9)], head_dim=128, device="cuda")
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, scale=0.2)
+    out = torch.ops.kvgraph.ragged_attention(*case.args(), scale=0.2)
+    check_against_golden(out, case.golden(0.2), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+    assert calls == [1]
 
 
 @gpu
