@@ -181,10 +181,9 @@ class PagedKVCacheManager(KVCacheManager):
     def _lookup_table(self, seqs: list[PagedSequence]) -> torch.Tensor:
         # lookup_table: [batch, logical_page] -> physical_page, unused = total_num_pages
         width = max(len(seq.pages) for seq in seqs)
-        table = torch.full((len(seqs), width), self._pool.num_pages, dtype=INDEX_DTYPE)
-        for b, seq in enumerate(seqs):
-            table[b, : len(seq.pages)] = torch.tensor([page.page_id for page in seq.pages], dtype=INDEX_DTYPE)
-        return table
+        pad = self._pool.num_pages
+        rows = [[page.page_id for page in seq.pages] + [pad] * (width - len(seq.pages)) for seq in seqs]
+        return torch.tensor(rows, dtype=INDEX_DTYPE)
 
     def _commit(self, seq: PagedSequence, req: KVRequest) -> None:
         if not self._prefix_caching:
