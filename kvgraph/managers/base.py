@@ -282,29 +282,30 @@ class KVCacheManager(abc.ABC):
         the manager's own lengths: ``cache_lengths += new tokens of the previous step``
         (``prev_model_inputs`` is that step's ``input_row_offsets int32 [batch + 1]``) and
         ``max_lengths`` loses its first row."""
-        out = []
-        for inputs in kv_inputs:
-            batch = inputs.cache_lengths.shape[0]
-            if prev_model_inputs.dim() != 1 or prev_model_inputs.shape[0] != batch + 1:
-                raise CacheInputError(
-                    f"input_row_offsets has shape {tuple(prev_model_inputs.shape)}, expected ({batch + 1},)"
-                )
-            if inputs.max_lengths.shape[0] < 2:
-                raise CacheInputError(
-                    f"max_lengths has {inputs.max_lengths.shape[0]} row(s): no step remains to increment to"
-                )
-            # offs: [batch + 1] -> new tokens per sequence: [batch]
-            offs = prev_model_inputs.to(inputs.cache_lengths.device, non_blocking=True)
-            new = (offs[1:] - offs[:-1]).to(INDEX_DTYPE)
-            out.append(
-                RaggedKVCacheInputs(
-                    blocks=inputs.blocks,
-                    cache_lengths=inputs.cache_lengths + new,
-                    lookup_table=inputs.lookup_table,
-                    max_lengths=inputs.max_lengths[1:],
-                )
+        with self._lock:
+            return [self._increment(inputs, prev_model_inputs) for inputs in kv_inputs]
+
+    @staticmethod
+    def _increment(inputs: RaggedKVCacheInputs, prev_model_inputs: torch.Tensor) -> RaggedKVCacheInputs:
+        """``increment_cache_lengths`` of one device's inputs."""
+        batch = inputs.cache_lengths.shape[0]
+        if prev_model_inputs.dim() != 1 or prev_model_inputs.shape[0] != batch + 1:
+            raise CacheInputError(
+                f"input_row_offsets has shape {tuple(prev_model_inputs.shape)}, expected ({batch + 1},)"
             )
-        return out
+        if inputs.max_lengths.shape[0] < 2:
+            raise CacheInputError(
+                f"max_lengths has {inputs.max_lengths.shape[0]} row(s): no step remains to increment to"
+            )
+        # offs: [batch + 1] -> new tokens per sequence: [batch]
+        offs = prev_model_inputs.to(inputs.cache_lengths.device, non_blocking=True)
+        new = (offs[1:] - offs[:-1]).to(INDEX_DTYPE)
+        return RaggedKVCacheInputs(
+            blocks=inputs.blocks,
+            cache_lengths=inputs.cache_lengths + new,
+            lookup_table=inputs.lookup_table,
+            max_lengths=inputs.max_lengths[1:],
+        )
 
     # -- sizing --
     @classmethod

@@ -65,7 +65,9 @@ class PagedKVCacheManager(KVCacheManager):
     Give the pool size as exactly one of ``num_pages`` or ``cache_memory`` (bytes, rounded
     down to whole pages of ``params.page_bytes``). With ``params.enable_prefix_caching``,
     ``step`` registers every completed full page, and a sequence's first ``fetch`` reuses the
-    cached pages that match the start of its tokens (``req.cached_tokens``).
+    cached pages that match the start of its tokens (``req.cached_tokens``). The match looks at
+    ``req.tokens`` only: ``req.prompt`` could not add to it, since the hit stays below
+    ``len(req.tokens)`` so that the step computes at least one token.
     """
 
     def __init__(
@@ -210,7 +212,9 @@ class PagedKVCacheManager(KVCacheManager):
                 num_alloc = max(0, num_pages - len(seq.pages))
             else:
                 limit = len(req.tokens) - 1  # the last token is always computed
-                match = self._pool.match(req.tokens, limit) if self._prefix_caching else PrefixMatch()
+                match = PrefixMatch()
+                if self._prefix_caching:
+                    match = self._pool.match([int(t) for t in req.tokens[:limit]], limit)
                 keep, drop = [], seq.pages[::-1]
                 num_alloc = num_pages - len(match.pages)
             plans.append(_Plan(req, seq, reserved, drop, keep, match, num_alloc, not seq.stepped))

@@ -189,11 +189,14 @@ def _seq_fields(seq) -> dict:
 KINDS = ("continuous", "paged", "prefix")
 
 
-def make_manager(kind: str, max_batch_size: int = 4, max_seq_len: int = 32, **kw) -> KVCacheManager:
-    """A small manager of ``kind``: ``continuous``, ``paged`` or ``prefix`` (paged with prefix caching)."""
+def make_manager(
+    kind: str, max_batch_size: int = 4, max_seq_len: int = 32, device: str = "cpu", **kw
+) -> KVCacheManager:
+    """A small manager of ``kind``: ``continuous``, ``paged`` or ``prefix`` (paged with prefix caching);
+    ``kw`` (``num_pages``, ``page_size``) apply to the paged kinds."""
     if kind == "continuous":
-        return ContinuousBatchingKVCacheManager(continuous_params(), max_batch_size, max_seq_len)
+        return ContinuousBatchingKVCacheManager(continuous_params(device=device), max_batch_size, max_seq_len)
     page_size = kw.pop("page_size", 4)
     kw.setdefault("num_pages", 16)
-    params = paged_params(page_size, prefix=kind == "prefix")
+    params = paged_params(page_size, prefix=kind == "prefix", device=device)
     return PagedKVCacheManager(params, max_batch_size, max_seq_len, **kw)

@@ -243,3 +243,23 @@ def test_input_symbols_describe_fetched_tensors(kind):
     for t, tensor, name in zip(symbols, x, symbols.names(), strict=True):
         t.check(tensor, name, bound)
     assert bound["batch_size"] == 2 and bound["steps_remaining"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_inputs_and_multistep_increment_without_host_sync(kind):
+    m = make_manager(kind, device="cuda")
+    a, b = m.claim(2)
+    m.fetch(batch := [KVRequest(a, [1, 2, 3, 4, 5]), KVRequest(b, [1, 2, 3, 4, 6])])
+    m.step(batch)
+    (x,) = m.fetch([KVRequest(a, [7]), KVRequest(b, [8])], num_steps=2)
+    assert x.blocks.is_cuda and x.cache_lengths.is_cuda and x.lookup_table.is_cuda
+    assert x.max_lengths.device.type == "cpu"
+    offsets = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (y,) = m.increment_cache_lengths([x], offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.cache_lengths.tolist() == [6, 6] and y.max_lengths.tolist() == [[1, 7]]
