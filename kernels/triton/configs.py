@@ -11,9 +11,11 @@ from typing import Any
 
 import triton
 from kvgraph.kernels.triton.checks import interpreting
+from kvgraph.kernels.triton.layout import MIN_DOT
 
-MAX_ROWS = 128  # query rows (tokens x heads of one KV head) of a prefill tile
-TILE_ELEMENTS = 128 * 128  # largest [rows or keys] x head_dim tile kept in registers / shared memory
+MIN_ROWS = 64  # query rows (tokens x query heads of one KV head) of a prefill tile, when they fit
+MAX_ROWS = 128
+TILE_BYTES = 128 * 128 * 2  # largest [rows or keys, head_dim] operand tile: 128 x 128 in 16 bits
 
 PREFILL_KEY = ["HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE"]
 DECODE_KEY = ["HEAD_DIM_PAD", "BLOCK_H", "PAGE_SIZE"]
@@ -44,35 +46,42 @@ def decode_configs() -> list[triton.Config]:
     ]
 
 
-def prune_prefill(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Keep tiles of 64..128 rows that fit the head dim; 8 warps only for big tiles.
+def _tile_bytes(args: dict[str, Any], rows: int) -> int:
+    return rows * args["HEAD_DIM_PAD"] * args["Q"].element_size()
 
-    When a KV head has more than ``MAX_ROWS`` query heads, one token per tile is the only choice.
+
+def prune_prefill(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """Keep tiles of ``MIN_ROWS..MAX_ROWS`` rows whose Q and K/V tiles fit ``TILE_BYTES``;
+    8 warps only for big tiles.
+
+    Where no such tile exists (fp32 with head_dim 256), tiles of 16 rows and up; where even one
+    token of every query head of a KV head is too big, one token per tile.
     """
     args = {**named_args, **kwargs}
-    group, head_dim = args["GROUP_PAD"], args["HEAD_DIM_PAD"]
+    group = args["GROUP_PAD"]
 
-    def fits(c: triton.Config) -> bool:
+    def fits(c: triton.Config, min_rows: int) -> bool:
         rows, bn = c.kwargs["BLOCK_Q"] * group, c.kwargs["BLOCK_N"]
         return (
-            64 <= rows <= MAX_ROWS
-            and rows * head_dim <= TILE_ELEMENTS
-            and bn * head_dim <= TILE_ELEMENTS
+            min_rows <= rows <= MAX_ROWS
+            and _tile_bytes(args, rows) <= TILE_BYTES
+            and _tile_bytes(args, bn) <= TILE_BYTES
             and (c.num_warps == 4 or rows * bn >= 128 * 64)
         )
 
-    kept = [c for c in configs if fits(c)]
-    if kept:
-        return kept
+    for min_rows in (MIN_ROWS, MIN_DOT):
+        kept = [c for c in configs if fits(c, min_rows)]
+        if kept:
+            return kept
     return [c for c in configs if c.kwargs["BLOCK_Q"] == 1 and c.kwargs["BLOCK_N"] == 32 and c.num_warps == 8][:1]
 
 
 def prune_decode(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Keep key tiles that fit the head dim; 8 warps only for the biggest tiles."""
-    head_dim = {**named_args, **kwargs}["HEAD_DIM_PAD"]
+    """Keep key tiles that fit ``TILE_BYTES``; 8 warps only for the biggest tiles."""
+    args = {**named_args, **kwargs}
 
     def fits(c: triton.Config) -> bool:
-        elements = c.kwargs["BLOCK_N"] * head_dim
-        return elements <= TILE_ELEMENTS and c.num_warps <= max(4, elements // 2048)
+        nbytes = _tile_bytes(args, c.kwargs["BLOCK_N"])
+        return nbytes <= TILE_BYTES and c.num_warps <= max(4, nbytes // 4096)
 
     return [c for c in configs if fits(c)]

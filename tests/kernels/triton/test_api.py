@@ -8,6 +8,21 @@ from kvgraph.kernels.triton import ragged_attention
 from triton_cases import DEVICE, gpu, reference_output
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The attention launchers ``ragged_attention`` calls, in order: ``"decode"`` / ``"prefill"``."""
+    calls = []
+    for kernel in ("decode", "prefill"):
+        launch = getattr(api, f"launch_{kernel}")
+
+        def spy(*args, _launch=launch, _kernel=kernel, **kwargs):
+            calls.append(_kernel)
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(api, f"launch_{kernel}", spy)
+    return calls
+
+
 def test_every_batch_shape_and_cache_layout(make_kv_case, check_against_golden, ragged_lengths, cache_page_size):
     case = make_kv_case(ragged_lengths, page_size=cache_page_size, device=DEVICE)
     before = case.kv_blocks.clone()
@@ -20,15 +35,11 @@ def test_every_batch_shape_and_cache_layout(make_kv_case, check_against_golden, 
 @pytest.mark.parametrize(
     "lengths, kernel", [([(5, 1), (0, 1), (9, 0)], "decode"), ([(5, 1), (0, 2)], "prefill")]
 )
-def test_dispatches_on_max_new_tokens(make_kv_case, check_against_golden, monkeypatch, lengths, kernel):
-    calls = []
-    for name in ("launch_decode", "launch_prefill"):
-        launch = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _launch=launch, _name=name, **k: calls.append(_name) or _launch(*a, **k))
+def test_dispatches_on_max_new_tokens(make_kv_case, check_against_golden, launches, lengths, kernel):
     case = make_kv_case(lengths, device=DEVICE)
     ref = reference_output(case)
     check_against_golden(ragged_attention(*case.args()), case.golden(), ref)
-    assert calls == [f"launch_{kernel}"]
+    assert launches == [kernel]
 
 
 def test_a_step_without_new_tokens_returns_an_empty_output(make_kv_case):
@@ -69,23 +80,20 @@ def test_steps_of_a_generation_read_what_earlier_steps_wrote(make_kv_case, check
 
 
 @gpu
-def test_the_op_on_cuda_runs_these_kernels(make_kv_case, check_against_golden, monkeypatch):
-    calls = []
-    launch = api.launch_prefill
-    monkeypatch.setattr(api, "launch_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+def test_the_op_on_cuda_runs_these_kernels(make_kv_case, check_against_golden, launches):
     case = make_kv_case([(20, 1), (0, 17), (7, 9)], head_dim=128, device="cuda")
     before = case.kv_blocks.clone()
     ref = reference_output(case, scale=0.2)
     out = torch.ops.kvgraph.ragged_attention(*case.args(), scale=0.2)
     check_against_golden(out, case.golden(0.2), ref)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
-    assert calls == [1]
+    assert launches == ["prefill"]
 
 
 @gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, page_size", [("paged", 16), ("paged", 1), ("continuous", 16)])
-def test_llama_greedy_tokens_on_cuda_match_hf_generate(monkeypatch, strategy, page_size):
+def test_llama_greedy_tokens_on_cuda_match_hf_generate(launches, strategy, page_size):
     import kvgraph
     from kvgraph.managers import load_kv_manager
     from kvgraph.params import KVCacheParams
@@ -93,10 +101,6 @@ def test_llama_greedy_tokens_on_cuda_match_hf_generate(monkeypatch, strategy, pa
     from kvgraph.request import KVRequest
     from kvgraph.step import run_step
 
-    calls = []
-    for name in ("launch_decode", "launch_prefill"):
-        launch = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _launch=launch, _name=name, **k: calls.append(_name) or _launch(*a, **k))
     model, _ = load_preset("llama-small")
     model = model.to("cuda").eval()
     c = model.config
@@ -121,4 +125,4 @@ def test_llama_greedy_tokens_on_cuda_match_hf_generate(monkeypatch, strategy, pa
                 generated[b].append(token)
             batch = [KVRequest(s, [gen[-1]]) for s, gen in zip(seq_ids, generated, strict=True)]
     assert generated == expected
-    assert {"launch_prefill", "launch_decode"} <= set(calls)
+    assert {"prefill", "decode"} <= set(launches)

@@ -80,7 +80,7 @@ def test_choose_num_splits_fills_the_device_only_for_long_contexts():
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 256, None])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_decode_long_context_cuda(make_kv_case, check_against_golden, head_dim, page_size, dtype):
     lengths = [(32 * 1024 - 1, 1), (5000, 1), (0, 1), (255, 1)]
     case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=head_dim, page_size=page_size,
