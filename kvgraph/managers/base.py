@@ -208,6 +208,15 @@ class KVCacheManager(abc.ABC):
         with self._lock:
             return self._get(seq_id).length
 
+    def cached_prefix_length(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of ``tokens`` that a sequence's first ``fetch`` with them would take from
+        the prefix cache now (always below ``len(tokens)``); 0 without prefix caching.
+
+        Lets a scheduler that chunks prefills start after the hit: first chunk
+        ``prompt[: hit + budget]``.
+        """
+        return 0
+
     # -- steps --
     def can_fetch(self, batch: Sequence[KVRequest], num_steps: int = 1) -> bool:
         """Whether ``fetch(batch, num_steps)`` would find enough cache; caller mistakes still raise."""

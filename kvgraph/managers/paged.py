@@ -130,6 +130,10 @@ class PagedKVCacheManager(KVCacheManager):
         with self._lock:
             return self._cached_prompt_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
 
+    def cached_prefix_length(self, tokens: Sequence[int]) -> int:
+        with self._lock:
+            return self._match(tokens).num_tokens(self.page_size)
+
     def pages_of(self, seq_id: int) -> list[int]:
         """``logical_page -> physical_page`` of ``seq_id``."""
         with self._lock:
@@ -211,14 +215,18 @@ class PagedKVCacheManager(KVCacheManager):
                 keep, drop = seq.pages[:num_pages], seq.pages[num_pages:][::-1]
                 num_alloc = max(0, num_pages - len(seq.pages))
             else:
-                limit = len(req.tokens) - 1  # the last token is always computed
-                match = PrefixMatch()
-                if self._prefix_caching:
-                    match = self._pool.match([int(t) for t in req.tokens[:limit]], limit)
+                match = self._match(req.tokens)
                 keep, drop = [], seq.pages[::-1]
                 num_alloc = num_pages - len(match.pages)
             plans.append(_Plan(req, seq, reserved, drop, keep, match, num_alloc, not seq.stepped))
         return plans
+
+    def _match(self, tokens: Sequence[int]) -> PrefixMatch:
+        """Cached pages for a first fetch of ``tokens``; the last token is always computed."""
+        if not self._prefix_caching or len(tokens) < 2:
+            return PrefixMatch()
+        limit = len(tokens) - 1
+        return self._pool.match([int(t) for t in tokens[:limit]], limit)
 
     def _pages_short(self, plans: list[_Plan]) -> int:
         """How many pages the pool lacks to carry out ``plans`` (0: they fit).

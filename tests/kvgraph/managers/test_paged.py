@@ -277,3 +277,20 @@ def test_prefix_caching_off_never_hits():
     req = KVRequest(b, list(range(9)))
     m.fetch([req])
     assert req.cached_tokens == 0 and m.cache_hit_rate == 0.0
+
+
+def test_cached_prefix_length_predicts_the_first_fetch_without_changing_state():
+    m = _prefix_manager()
+    a, b = m.claim(2)
+    prompt = list(range(1, 12))
+    _prefill(m, a, prompt)
+    before = snapshot(m)
+    assert m.cached_prefix_length(prompt) == 8
+    assert m.cached_prefix_length(prompt[:8]) == 7  # the whole second page, less the last token
+    assert m.cached_prefix_length([5]) == m.cached_prefix_length([0, 0, 0, 0, 0]) == 0
+    assert_same_state(before, snapshot(m))
+    req = KVRequest(b, prompt[:8])
+    m.fetch([req])
+    assert req.cached_tokens == 7
+    plain = PagedKVCacheManager(paged_params(page_size=4), 2, 32, num_pages=8)
+    assert plain.cached_prefix_length(prompt) == 0
