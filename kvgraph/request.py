@@ -17,9 +17,12 @@ class KVRequest:
             run of ``num_steps`` steps, the caller appends the tokens it fed in
             steps 2..K before calling ``step`` so that ``step`` commits what was
             actually written.
-        prompt: the full prompt, when ``tokens`` is only its first chunk. Used
-            by prefix caching on a sequence's first fetch to match as many
-            cached pages as the whole prompt allows. ``None`` means ``tokens``.
+        prompt: the full prompt, when ``tokens`` is only its first chunk
+            (informational; ``None`` means ``tokens``). A prefix hit never
+            covers the last entry of ``tokens``, so it cannot reach past the
+            chunk: a scheduler that chunks a prompt first asks
+            ``manager.cached_prefix_length(prompt)`` and makes the first chunk
+            at least that long plus one token.
         cached_tokens: *set by fetch*: how many leading entries of ``tokens``
             are already in the cache thanks to a prefix-cache hit. The caller
             runs the model only on ``tokens[cached_tokens:]``, and ``step``
