@@ -216,8 +216,9 @@ class LLM:
             self.scheduler.abort_all([e.request for e in out.entries])
             raise
         events = self._commit(out, run)
-        self._stats.steps += 1
-        self._stats.record_step(len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start)
+        self._stats.record_step(
+            len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps
+        )
         self._record_pages()
         self._record_occupancy()
         return events
@@ -226,6 +227,7 @@ class LLM:
         """Fetch, run the model ``out.num_steps`` times, sample, and commit the cache (``manager.step``)."""
         kv_requests = out.kv_requests
         kv_inputs = self.manager.fetch(kv_requests, num_steps=out.num_steps)
+        self._record_pages()  # the step's peak: before finished requests give their pages back
         run = _StepRun()
         new_tokens, starts = [], []
         for entry in out.entries:
@@ -375,12 +377,13 @@ class LLM:
         m = self.manager
         if not isinstance(m, PagedKVCacheManager):
             return
-        tokens = min(len(ids) + sampling.max_new_tokens, self.max_seq_len)
+        # the last generated token is returned, never fed back: it takes no cache
+        tokens = min(len(ids) + sampling.max_new_tokens - 1, self.max_seq_len)
         pages = -(-tokens // m.page_size)
         if pages > m.total_pages:
             raise OutOfPagesError(
-                f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens needs {pages} pages; "
-                f"{self._capacity_text()}"
+                f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens caches {tokens} tokens and "
+                f"needs {pages} pages; {self._capacity_text()}"
             )
 
     def _capacity_text(self) -> str:

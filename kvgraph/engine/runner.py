@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import BindingError, InvalidParamsError
 from kvgraph.inputs import RaggedKVCacheInputs
 
 
@@ -14,9 +14,9 @@ class ModelRunner:
     """Runs a compiled kvgraph callable on a ragged batch.
 
     Args:
-        compiled: the callable from ``kvgraph.compile``: ``compiled(input_ids=[1, T], position_ids=[1, T])``
-            under ``kvgraph.bind`` returns the model output (logits ``[1, batch, V]`` when the
-            logits were pruned to each sequence's last token, else ``[1, T, V]``).
+        compiled: the callable from ``kvgraph.compile`` (with pruned logits):
+            ``compiled(input_ids=[1, T], position_ids=[1, T])`` under ``kvgraph.bind`` returns the
+            model output, whose logits are ``[1, batch, V]``: one row per sequence's last new token.
     """
 
     def __init__(self, compiled: Callable) -> None:
@@ -43,12 +43,15 @@ class ModelRunner:
 
         with torch.inference_mode(), bind(kv_inputs, input_row_offsets):
             out = self.compiled(input_ids=input_ids, position_ids=position_ids)
-        # logits: [1, batch or T, V]
-        logits = _logits(out)[0]
+        # logits: [1, batch, V]
+        logits = _logits(out)
         batch = input_row_offsets.shape[0] - 1
-        if logits.shape[0] != batch:
-            logits = logits[input_row_offsets[1:].long() - 1]
-        return logits
+        if logits.dim() != 3 or logits.shape[:2] != (1, batch):
+            raise BindingError(
+                f"the compiled model returned logits of shape {tuple(logits.shape)}, expected (1, {batch}, V): "
+                f"one row per sequence; it did not run the graph kvgraph lowered"
+            )
+        return logits[0]
 
 
 def _logits(out: object) -> torch.Tensor:

@@ -35,9 +35,12 @@ class EngineStats:
     kv_tokens_stored: int = 0  # summed over steps: tokens those slots hold
     compiled_graphs: int = 0
 
-    def record_step(self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
-        """One model call over ``batch_size`` sequences computing the given new tokens."""
-        self.model_calls += 1
+    def record_step(
+        self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float, model_calls: int = 1
+    ) -> None:
+        """One scheduled batch of ``batch_size`` sequences (``model_calls`` model runs when multistep)."""
+        self.steps += 1
+        self.model_calls += model_calls
         self.batch_sizes[batch_size] += 1
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
