@@ -23,8 +23,9 @@ def test_store_writes_exactly_the_new_rows(make_kv_case, cache_page_size):
     assert torch.equal(case.kv_blocks.cpu(), case.expected_blocks(before).cpu())
 
 
-def test_store_fp16_keeps_bits(make_kv_case):
-    case = make_kv_case([(3, 97)], n_kv_heads=1, head_dim=96, dtype=torch.float16, layer_idx=0, device=DEVICE)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_half_precision_keeps_bits(make_kv_case, dtype):
+    case = make_kv_case([(3, 97)], n_kv_heads=1, head_dim=96, dtype=dtype, layer_idx=0, device=DEVICE)
     before = case.kv_blocks.clone()
     _store(case)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))

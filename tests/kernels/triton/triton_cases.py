@@ -16,9 +16,9 @@ COMPILED_CUDA = torch.cuda.is_available() and not interpreting()
 _needs_compiled_cuda = pytest.mark.skipif(
     not COMPILED_CUDA, reason="needs a CUDA device and compiled Triton (TRITON_INTERPRET unset)"
 )
-# Triton's interpreter computes bf16 tl.dot wrongly (its numpy path has no bf16)
+# Triton's interpreter multiplies the raw bits of bf16 tl.dot operands (triton-lang/triton#11584)
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not COMPILED_CUDA, reason="Triton's interpreter computes bf16 tl.dot wrongly"))
+    not COMPILED_CUDA, reason="Triton's interpreter has no bf16 tl.dot (triton-lang/triton#11584)"))
 
 
 def gpu(test):
