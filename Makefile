@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
 	$(BIN)/python -m kvgraph.demo
