@@ -1,14 +1,20 @@
-"""Model inputs of one ragged step: every scheduled sequence's new tokens flattened into one row."""
+"""One ragged step: every scheduled sequence's new tokens flattened into one row.
+
+:func:`prepare_step` builds the model inputs; :func:`run_step` drives one step of a
+compiled model against a manager (fetch, bind, run, commit).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from kvgraph.errors import BatchSizeError
-from kvgraph.managers.base import INDEX_DTYPE
+from kvgraph.managers.base import INDEX_DTYPE, KVCacheManager
+from kvgraph.request import KVRequest
+from kvgraph.runtime import bind
 
 
 class StepInputs(NamedTuple):
@@ -68,3 +74,23 @@ def prepare_step(
         position_ids=torch.tensor([positions], dtype=torch.int64, device=device),
         input_row_offsets=torch.tensor(offsets, dtype=INDEX_DTYPE, device=device),
     )
+
+
+def run_step(compiled: Callable[..., Any], manager: KVCacheManager, batch: Sequence[KVRequest], **kwargs: Any) -> Any:
+    """One step of ``batch`` through a kvgraph-compiled model: fetch, bind, run, commit.
+
+    Args:
+        compiled: from ``kvgraph.compile`` (or ``torch.compile(..., backend="kvgraph")``).
+        manager: holds the sequences of ``batch`` (claimed).
+        batch: per sequence, the tokens this step runs (``KVRequest.tokens``).
+        kwargs: further model arguments (e.g. ``use_cache=False`` by name).
+
+    Returns the model's output for ``input_ids [1, T]``, ``position_ids [1, T]`` (logits
+    ``[1, batch, V]`` when pruned). The manager commits the tokens only when the call returns.
+    """
+    kv = manager.fetch(batch)
+    step = prepare_step([req.new_tokens for req in batch], kv[0].cache_lengths)
+    with bind(kv, step.input_row_offsets):
+        out = compiled(input_ids=step.input_ids, position_ids=step.position_ids, **kwargs)
+    manager.step(batch)
+    return out

@@ -1,0 +1,67 @@
+"""Hugging Face specifics of compiled models: their own KV cache is replaced by kvgraph's."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from kvgraph.errors import LoweringError
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a ``transformers.PreTrainedModel`` (without importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def takes_use_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` accepts a ``use_cache`` argument (Hugging Face causal LMs do)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in params
+
+
+def without_hf_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``use_cache=False`` unless the caller chose: kvgraph's cache replaces the model's.
+
+    A caller's ``use_cache=True`` is kept; the backend then refuses the graph, whose outputs
+    would carry the model's own per-layer keys and values (:func:`refuse_own_cache`).
+    """
+    if "use_cache" in kwargs:
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
+def refuse_own_cache(gm: torch.fx.GraphModule, sites: Sequence) -> None:
+    """Raise ``LoweringError`` if the lowered graph returns keys or values of its attention sites.
+
+    A model that keeps its own KV cache (Hugging Face with ``use_cache=True``) returns each
+    layer's keys and values next to the logits. Lowered, those would hold only this step's
+    new tokens (the history lives in kvgraph's cache), a cache that looks right and is not.
+
+    Args:
+        gm: the lowered graph.
+        sites: its ``AttentionSite`` records (``k``/``v``: the ``[1, Hkv, T, D]`` nodes).
+    """
+    op = torch.ops.kvgraph.ragged_attention.default
+    seen: set[torch.fx.Node] = set()
+    frontier = [node for site in sites for node in (site.k, site.v)]
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "output":
+            raise LoweringError(
+                "the graph returns its attention keys/values (the model's own KV cache, e.g. a Hugging Face "
+                "model called with use_cache=True); kvgraph's cache replaces it: call the model with "
+                "use_cache=False"
+            )
+        frontier.extend(user for user in node.users if not (user.op == "call_function" and user.target is op))
