@@ -62,7 +62,7 @@ def _greedy_config(max_new_tokens: int, pad_id: int):
 
     return GenerationConfig(
         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=pad_id,
+        eos_token_id=None, pad_token_id=pad_id, use_cache=True,
     )
 
 
@@ -91,7 +91,7 @@ def hf_generate(
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                logits_processor=LogitsProcessorList([clock]), use_cache=True,
+                logits_processor=LogitsProcessorList([clock]),
             )
         outputs.extend(out[:, width:].tolist())
         ttft.extend([clock.times[0] - start] * len(batch))
@@ -122,9 +122,9 @@ def hf_generate_batch(
         page_size=page_size, num_blocks=num_pages, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_batch_size, use_cuda_graph=False, use_async_batching=False,
     )
-    quiet = logging.getLogger("ContinuousBatchingLogger")
+    quiet = logging.getLogger("ContinuousBatchingLogger")  # its CPU memory notes are noise here
     level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    quiet.setLevel(logging.CRITICAL)
     try:
         start = time.perf_counter()
         results = model.generate_batch(

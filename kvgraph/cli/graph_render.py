@@ -29,18 +29,21 @@ def is_attention(node: torch.fx.Node) -> bool:
 
 
 def dim_text(d: object) -> str:
-    """A size as text: an int, the kvgraph name of a KV symbol (``total_num_pages``), or the
-    symbol of another dynamic dim (``s0``)."""
+    """A size as text: an int, or a symbolic expression whose KV symbols carry their kvgraph
+    names (``batch_size + 1``); other dynamic dims keep their symbol (``s0``)."""
     if not isinstance(d, torch.SymInt):
         return str(d)
-    expr = d.node.expr
-    env = d.node.shape_env
-    sources = env.var_to_sources.get(expr, []) if env is not None and expr.is_Symbol else []
-    for source in sources:
-        name = source.name() if callable(getattr(source, "name", None)) else str(source)
-        if name.startswith(KV_SOURCE_PREFIX):
-            return name[len(KV_SOURCE_PREFIX) :]
-    return str(expr)
+    import sympy
+
+    expr, env = d.node.expr, d.node.shape_env
+    names = {}
+    for sym in expr.free_symbols:
+        for source in env.var_to_sources.get(sym, []) if env is not None else []:
+            name = source.name() if callable(source.name) else source.name
+            if name.startswith(KV_SOURCE_PREFIX):
+                names[sym] = sympy.Symbol(name[len(KV_SOURCE_PREFIX) :], integer=True)
+                break
+    return str(expr.xreplace(names))
 
 
 def value_text(value: object) -> tuple[str, str, str]:
@@ -61,12 +64,22 @@ def _columns(rows: list[list[str]]) -> str:
 
 
 def input_table(gm: torch.fx.GraphModule, kinds: Callable[[torch.fx.Node], str]) -> str:
-    """One row per graph input: name, kind, dtype, shape (symbolic dims by name), device."""
+    """One row per graph input (name, kind, dtype, shape with symbolic dims by name, device);
+    module parameters and buffers (kind ``constant``) are summed up in one last line."""
     rows = [["input", "kind", "dtype", "shape", "device"]]
+    constants, elements = 0, 0
     for node in gm.graph.find_nodes(op="placeholder"):
-        dtype, shape, device = value_text(meta_value(node))
-        rows.append([node.name, kinds(node), dtype, shape, device])
-    return _columns(rows)
+        kind, value = kinds(node), meta_value(node)
+        if kind == "constant":
+            constants += 1
+            elements += value.numel() if isinstance(value, torch.Tensor) else 0
+            continue
+        dtype, shape, device = value_text(value)
+        rows.append([node.name, kind, dtype, shape, device])
+    table = _columns(rows)
+    if constants:
+        table += f"\n(+ {constants} constant inputs: module parameters and buffers, {elements:,} elements)"
+    return table
 
 
 def node_table(gm: torch.fx.GraphModule) -> str:

@@ -8,8 +8,10 @@ Each step the scheduler builds one ragged batch for ``manager.fetch``:
    running request is preempted (its pages released, its context recomputed
    later) until the request fits, or it is preempted itself;
 2. then, if nobody was preempted, waiting requests in arrival order, each with as
-   much of its context as the budget allows (chunked prefill); admission stops
-   at the first request that does not fit, so none overtakes an earlier one.
+   much of its context as the budget allows (chunked prefill) after the tokens the
+   prefix cache already holds (``manager.cached_prefix_length``), which cost nothing;
+   admission stops at the first request that does not fit, so none overtakes an
+   earlier one.
 
 A batch of decodes only runs ``num_steps`` steps back to back (multistep).
 The scheduler owns the manager's sequence ids: every exit path (finish, abort,
@@ -136,8 +138,10 @@ class Scheduler:
             if self.manager.slots_remaining <= 0:
                 break
             request = self.waiting[0]
+            # the prefix cache serves `hit` tokens for free: the first chunk starts after them
+            hit = self.manager.cached_prefix_length(request.context)
             request.seq_id = self.manager.claim(1)[0]
-            entry = self._entry(request, min(request.num_remaining, budget))
+            entry = self._entry(request, min(request.num_remaining, hit + budget))
             if not self._fits(out.entries, entry):
                 self._release(request)
                 break
@@ -145,7 +149,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.entries.append(entry)
-            budget -= len(entry.kv.tokens)
+            budget -= len(entry.kv.tokens) - hit
         return budget
 
     def _multistep(self, out: SchedulerOutput) -> int:

@@ -54,3 +54,12 @@ def eager_greedy():
 @pytest.fixture(scope="session")
 def shared_prefix_prompts():
     return _prompts_with_shared_prefix
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts from an empty Dynamo cache: Hugging Face models share one decorated
+    ``forward`` code object, whose recompile limit (8) all compiled models in the process use up.
+    A module-scoped engine recompiles on its first call in each test."""
+    torch._dynamo.reset()
+    yield

@@ -193,3 +193,19 @@ def test_length_limit_of_the_cache_ends_a_request(max_seq_len):
     _run(s)
     assert r.finish_reason is FinishReason.LENGTH
     assert r.num_tokens == max_seq_len + 1  # the last token is returned, never cached
+
+
+def test_a_prefix_hit_is_free_and_the_first_chunk_starts_after_it():
+    m = _manager(page_size=4, prefix=True)
+    s = _scheduler(m, max_batch_tokens=6)
+    first = _request(0, 13, max_new=1)
+    s.add(first)
+    _run(s)  # 13 prompt tokens in chunks of 6: pages of tokens 0..11 are now cached
+    again = _request(1, 13, max_new=1)  # the same prompt
+    s.add(again)
+    out = s.schedule()
+    (entry,) = out.entries
+    assert len(entry.kv.tokens) == 13  # 12 cached + 1 computed: one step despite the 6-token budget
+    m.fetch(out.kv_requests)
+    assert entry.kv.cached_tokens == 12 and len(entry.kv.new_tokens) == 1
+    s.abort_all()

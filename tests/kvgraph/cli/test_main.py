@@ -1,0 +1,52 @@
+"""The command line's contract: --help everywhere, and bad input as one error line, never a traceback."""
+
+import pytest
+
+from kvgraph.cli import main
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["dump"]])
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    assert "usage: kvgraph" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (["generate", "--model", "llama-huge"], 1,
+         "kvgraph generate: error: unknown model 'llama-huge': not a preset (llama-tiny, "),
+        (["generate", "--model", "./no/such/checkpoint"], 1,
+         "kvgraph generate: error: checkpoint directory './no/such/checkpoint' does not exist"),
+        (["generate", "--max-new-tokens", "0"], 2,
+         "error: argument --max-new-tokens: must be a positive int, got 0"),
+        (["generate", "--max-batch-size", "-4"], 2, "error: argument --max-batch-size: must be a positive int"),
+        (["generate", "--prompt-ids", "1,x"], 2, "error: argument --prompt-ids: expected comma-separated ints"),
+        (["generate", "--prompts-file", "/no/such/prompts.txt"], 1,
+         "kvgraph generate: error: prompts file '/no/such/prompts.txt' does not exist"),
+        (["bench", "--requests", "0"], 2, "error: argument --requests: must be a positive int, got 0"),
+        (["bench", "--workload", "chat"], 2, "error: argument --workload: invalid choice: 'chat'"),
+        (["bench", "--baselines", "vllm"], 1, "kvgraph bench: error: unknown baseline 'vllm'"),
+        (["dump", "--format", "svg"], 1, "kvgraph dump: error: --format svg writes one document"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == status
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_errors_after_loading_the_model_are_one_line_too(capsys, tmp_path):
+    code = main(["generate", "--prompt-ids", "5," * 40 + "5", "--max-seq-len", "16", "--compile", "eager",
+                 "--max-batch-size", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().endswith("prompt of 41 tokens is longer than max_seq_len=16")
+    assert "Traceback" not in err
