@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from kvgraph.passes.graph_view import meta_value
-from kvgraph.passes.log import log_pass
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kvgraph.errors import LoweringError
 from kvgraph.managers.base import INDEX_DTYPE, ragged_input_symbols
 from kvgraph.params import KVCacheParams
+from kvgraph.passes.graph_view import meta_value
+from kvgraph.passes.log import log_pass
 from kvgraph.symbols import RaggedKVCacheInputSymbols, fake_inputs
 
 KV_PLACEHOLDERS = ("kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets")

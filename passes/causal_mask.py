@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_aggregate
 
 from kvgraph.errors import LoweringError
+from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 
 Node = torch.fx.Node
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+
+from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.causal_mask import MaskEffect, MaskProver
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, source_location
 from kvgraph.passes.log import log_pass
-
-from kvgraph.errors import LoweringError
 
 Node = torch.fx.Node
 

@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kvgraph.errors import LoweringError
 from kvgraph.passes.add_kv_inputs import KVPlaceholders, graph_fake_mode, uncached
 from kvgraph.passes.find_attention import AttentionSite
 from kvgraph.passes.graph_view import meta_value
 from kvgraph.passes.log import log_pass
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-from kvgraph.errors import LoweringError
 
 Node = torch.fx.Node
 _FACTOR_OPS = {"mul": operator.mul, "div": operator.truediv}

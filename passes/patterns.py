@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+
 from kvgraph.passes.graph_view import meta_value
 
 Node = torch.fx.Node
@@ -206,7 +207,7 @@ def unrepeat_kv(node: Node) -> Unrepeated:
         s = shape(src) if src is not None else None
         if (s and len(s) == 4 and same_size(s[0], e[0]) and same_size(s[1], e[1])
                 and same_size(s[2], e[3]) and same_size(s[3], e[4])
-                and isinstance(e[1], int) and isinstance(e[2], int) and out[1] == e[1] * e[2]
+                and same_size(out[1], e[1] * e[2])
                 and same_size(out[2], s[2]) and same_size(out[3], s[3])):
             return Unrepeated(src, "expand+reshape")
     return Unrepeated(node, None)

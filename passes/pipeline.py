@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+
+from kvgraph.errors import LoweringError
+from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite
 from kvgraph.passes.graph_view import copy_graph
 from kvgraph.passes.log import log_pass, logger
-
-from kvgraph.errors import LoweringError
-from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.symbols import RaggedKVCacheInputSymbols
 
 Dump = Callable[[str, torch.fx.GraphModule], None]

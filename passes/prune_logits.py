@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.node import map_arg
+
+from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.add_kv_inputs import graph_fake_mode, uncached
 from kvgraph.passes.graph_view import describe, meta_value
 from kvgraph.passes.log import log_pass
-from torch.fx.node import map_arg
-
-from kvgraph.errors import LoweringError
 
 Node = torch.fx.Node
 _TANH = (frozenset({torch.tanh}), frozenset({"tanh"}))

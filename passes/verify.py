@@ -19,14 +19,14 @@ import time
 
 import torch
 import torch.fx
+
+from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.add_kv_inputs import KVPlaceholders
 from kvgraph.passes.find_attention import AttentionAnalysis
 from kvgraph.passes.graph_view import describe
 from kvgraph.passes.log import log_pass
 from kvgraph.passes.lower_attention import ragged_attention_op
-
-from kvgraph.errors import LoweringError
 
 
 def dce(gm: torch.fx.GraphModule) -> int:

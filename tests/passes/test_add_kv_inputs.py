@@ -1,0 +1,60 @@
+"""add_kv_inputs: placeholders typed by the manager's symbols, in the graph's own fake mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraph.errors import LoweringError
+from kvgraph.managers.base import ragged_input_symbols
+from kvgraph.params import KVCacheParams
+from kvgraph.passes import add_kv_inputs
+from kvgraph.passes.add_kv_inputs import KV_PLACEHOLDERS, graph_fake_mode
+
+
+def params(strategy: str) -> KVCacheParams:
+    return KVCacheParams(torch.float16, n_kv_heads=2, head_dim=16, num_layers=2, page_size=8,
+                         cache_strategy=strategy)
+
+
+def shape_exprs(val: torch.Tensor) -> list:
+    return [d.node.expr if isinstance(d, torch.SymInt) else d for d in val.shape]
+
+
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+def test_placeholders_follow_the_symbols(llama_sdpa, strategy):
+    gm = llama_sdpa.fresh()
+    kv = add_kv_inputs.run(gm, params(strategy))
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    assert [n.name for n in placeholders[-5:]] == list(KV_PLACEHOLDERS) == kv.names()
+    assert kv.symbols == ragged_input_symbols(params(strategy))
+    fake_mode = graph_fake_mode(llama_sdpa.gm)
+    for node, symbol in zip(kv.nodes(), kv.symbols, strict=False):
+        val = node.meta["val"]
+        assert node.meta["example_value"] is val and val.fake_mode is fake_mode
+        assert val.dtype == symbol.dtype and val.device == symbol.device
+        assert [isinstance(d, torch.SymInt) for d in val.shape] == [isinstance(d, str) for d in symbol.shape]
+        assert [d for d in val.shape if isinstance(d, int)] == [d for d in symbol.shape if isinstance(d, int)]
+    vals = {n.name: n.meta["val"] for n in kv.nodes()}
+    batch = shape_exprs(vals["cache_lengths"])[0]
+    assert shape_exprs(vals["lookup_table"])[0] == batch
+    assert shape_exprs(vals["input_row_offsets"]) == [batch + 1]
+    assert vals["input_row_offsets"].dtype == torch.int32
+    if strategy == "continuous":
+        assert vals["lookup_table"].dim() == 1 and isinstance(vals["kv_blocks"].shape[3], torch.SymInt)
+    else:
+        assert vals["lookup_table"].dim() == 2 and vals["kv_blocks"].shape[3] == 8
+    assert kv.op_args() == (kv.kv_blocks, kv.cache_lengths, kv.lookup_table, kv.input_row_offsets, kv.max_lengths)
+
+
+def test_taken_name_is_refused(llama_sdpa):
+    gm = llama_sdpa.fresh()
+    add_kv_inputs.run(gm, params("paged"))
+    with pytest.raises(LoweringError, match=r"already has nodes named \['cache_lengths', 'input_row_offsets'"):
+        add_kv_inputs.run(gm, params("paged"))
+
+
+def test_graph_without_fake_metadata_is_refused():
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(LoweringError, match="no fake tensors"):
+        add_kv_inputs.run(gm, params("paged"))

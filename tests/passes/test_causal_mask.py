@@ -1,0 +1,94 @@
+"""MaskProver: masks are evaluated at enough token counts and positions to tell causal from not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
+
+from kvgraph.errors import LoweringError
+from kvgraph.passes import find_attention
+from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS
+
+
+def windowed(window: int):
+    def attn(q, k, v):
+        i = torch.arange(q.shape[2])
+        mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    return attn
+
+
+def test_window_wider_than_the_fixed_sizes_is_found_one_past_its_width():
+    gm = capture(TinyDecoder(windowed(20)), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=r"hides earlier token 0 from token 20 .*at 21 tokens"):
+        find_attention.run(gm)
+
+
+def test_window_beyond_the_checkable_size_is_refused():
+    gm = capture(TinyDecoder(windowed(5000)), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=f"size 5000 .*beyond the {MAX_CHECK_TOKENS} tokens"):
+        find_attention.run(gm)
+
+
+def test_window_of_unbounded_width_is_causal():
+    gm = capture(TinyDecoder(windowed(1 << 40)), **model_kwargs()).fresh()
+    sites = find_attention.run(gm).sites
+    assert len(sites) == 2 and sites[0].mask.startswith("mask proven causal")
+
+
+class PositionMask(nn.Module):
+    """One attention layer whose boolean mask is built from position ids (and maybe another input's size)."""
+
+    def __init__(self, absolute: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.absolute = absolute
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, input_ids, position_ids, extra=None):
+        T = input_ids.shape[1]
+        q, k, v = (t.view(1, T, 2, 8).transpose(1, 2) for t in self.qkv(self.wte(input_ids)).split(16, -1))
+        pos = position_ids[0]
+        mask = pos[None, :] <= pos[:, None]  # [T, T]: kv position <= q position
+        if self.absolute:
+            mask = mask & (pos[None, :] < T)  # causal only while positions start at 0
+        if extra is not None:
+            mask = mask & (torch.arange(T)[None, :] < extra.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_relative_position_mask_is_causal():
+    gm = capture(PositionMask(absolute=False), **model_kwargs()).fresh()
+    (site,) = find_attention.run(gm).sites
+    assert site.mask.startswith("mask proven causal")
+
+
+def test_mask_causal_only_from_position_zero_is_refused():
+    gm = capture(PositionMask(absolute=True), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="positions starting at 3"):
+        find_attention.run(gm)
+
+
+def test_mask_reading_another_size_is_refused():
+    gm = capture(PositionMask(absolute=False), extra=torch.zeros(1, 9), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="depends on the size .* which is not the token count"):
+        find_attention.run(gm)
+
+
+def test_constant_buffers_read_through_get_attr_need_no_example_inputs(nanogpt):
+    """Graphs that keep module buffers as attributes (get_attr) are checked from the module itself."""
+    gm = nanogpt.fresh()
+    names = [n.name for n in nanogpt.gm.graph.find_nodes(op="placeholder")]
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        if node.name.endswith("_buffers_bias_"):
+            gm.register_buffer(f"bias{i}", nanogpt.example_inputs[names.index(node.name)])
+            with gm.graph.inserting_after(node):
+                attr = gm.graph.get_attr(f"bias{i}")
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+    analysis = find_attention.run(gm)
+    assert [s.mask for s in analysis.sites] == ["mask proven causal at 5 token counts up to 32"] * 2

@@ -1,0 +1,227 @@
+"""find_attention: which attention forms are recognised (and lowered correctly), which are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from lowering_helpers import (
+    VOCAB,
+    NanoGPT,
+    RaggedCache,
+    TinyDecoder,
+    capture,
+    eager_last_logits,
+    hf_kwargs,
+    model_kwargs,
+    run_step,
+    tiny_qwen2,
+)
+
+from kvgraph.errors import LoweringError
+from kvgraph.passes import find_attention, lower
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """HF's repeat_kv: [B, Hkv, T, D] -> [B, Hkv * n, T, D], head h reads kv head h // n."""
+    b, h, t, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+
+def causal_bool(T: int) -> torch.Tensor:
+    i = torch.arange(T)
+    return i[:, None] >= i[None, :]
+
+
+# -- attention forms that must be lowered --
+def sdpa_is_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+
+def sdpa_enable_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def sdpa_interleave_scale(q, k, v):
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+
+
+def sdpa_bool_mask(q, k, v):
+    mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+
+
+def sdpa_float_mask(q, k, v):
+    mask = torch.full((q.shape[2], q.shape[2]), float("-inf")).triu(1)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+
+
+def explicit_where_div(q, k, v):
+    scores = q @ repeat_kv(k, 2).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = torch.where(causal_bool(q.shape[2]), scores, float("-inf"))
+    weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=0.0, training=False)
+    return weights @ repeat_kv(v, 2)
+
+
+LOWERED = {
+    sdpa_is_causal: ("expand+reshape", None),
+    sdpa_enable_gqa: ("enable_gqa", None),
+    sdpa_interleave_scale: ("repeat_interleave", 0.3),
+    sdpa_bool_mask: ("expand+reshape", None),
+    sdpa_float_mask: ("expand+reshape", None),
+    explicit_where_div: ("expand+reshape", 1 / math.sqrt(8)),
+}
+
+
+@pytest.mark.parametrize("attn", list(LOWERED), ids=lambda f: f.__name__)
+def test_recognised_forms_lower_and_match_eager(attn):
+    cap = capture(TinyDecoder(attn), **model_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    repeat, scale = LOWERED[attn]
+    assert [(s.repeat, s.n_heads, s.n_kv_heads, s.head_dim) for s in result.sites] == [(repeat, 4, 2, 8)] * 2
+    assert all(s.scale == pytest.approx(scale) if scale else s.scale is None for s in result.sites)
+    cache = RaggedCache(result.params, batch=2)
+    seqs = [[3, 5, 7, 11], [13, 17, 19]]
+    logits = run_step(gm, cap, cache, seqs)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(cap.model, s), atol=1e-5, rtol=0)
+
+
+def test_nanogpt_buffer_mask_is_proven_on_the_whole_buffer(nanogpt):
+    analysis = find_attention.run(nanogpt.fresh(), nanogpt.example_inputs)
+    assert [s.kind for s in analysis.sites] == ["explicit", "explicit"]
+    assert all(s.scale == pytest.approx(1 / math.sqrt(8)) for s in analysis.sites)
+    assert "up to 32" in analysis.sites[0].mask  # the 32 x 32 causal buffer, checked at T = 32
+
+
+def test_buffer_mask_without_its_value_is_refused(nanogpt):
+    with pytest.raises(LoweringError, match=r"l_self_modules_h_modules_0_modules_attn_buffers_bias_.*example_inputs"):
+        find_attention.run(nanogpt.fresh())
+
+
+def test_mask_only_nodes_are_the_mask_subgraph(llama_sdpa):
+    analysis = find_attention.run(llama_sdpa.fresh())
+    names = {n.name for n in analysis.mask_nodes}
+    assert {"attention_mask", "packed_sequence_mask", "q_arange", "kv_indices"} <= names
+    assert not any(n.op == "placeholder" for n in analysis.mask_nodes)
+    rope = [n for n in llama_sdpa.gm.graph.nodes if n.name in ("cos", "sin", "freqs")]
+    assert rope and not set(rope) & analysis.mask_nodes
+
+
+# -- attention forms that must be refused --
+def sliding_window(q, k, v):
+    i = torch.arange(q.shape[2])
+    mask = causal_bool(q.shape[2]) & (i[:, None] - i[None, :] < 3)
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+
+
+def alibi(q, k, v):
+    i = torch.arange(q.shape[2])
+    bias = -0.5 * (i[:, None] - i[None, :]).float()
+    bias = bias.masked_fill(~causal_bool(q.shape[2]), float("-inf"))
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=bias)
+
+
+def bidirectional(q, k, v):
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2))
+
+
+def explicit_without_mask(q, k, v):
+    return torch.softmax(q @ repeat_kv(k, 2).transpose(-2, -1), dim=-1) @ repeat_kv(v, 2)
+
+
+def weights_used_twice(q, k, v):
+    scores = (q @ repeat_kv(k, 2).transpose(-2, -1)).masked_fill(~causal_bool(q.shape[2]), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ repeat_kv(v, 2) + weights[..., :1]
+
+
+def training_dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True, dropout_p=0.1)
+
+
+REFUSED = {
+    sliding_window: r"hides earlier token 0 from token 3 \(a sliding window",
+    alibi: r"adds the bias -0.5 to the score of token 1 for token 0 \(ALiBi",
+    bidirectional: "is_causal=False without an attn_mask",
+    explicit_without_mask: "no mask between the scores and softmax",
+    weights_used_twice: "attention weights 'weights' are used by",
+    training_dropout: "dropout_p=0.1 is not 0",
+}
+
+
+@pytest.mark.parametrize("attn", list(REFUSED), ids=lambda f: f.__name__)
+def test_refused_forms_name_the_node_target_and_line(attn):
+    gm = capture(TinyDecoder(attn), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=REFUSED[attn]) as info:
+        find_attention.run(gm)
+    message = str(info.value)
+    assert "node '" in message and "test_find_attention.py:" in message
+    assert "scaled_dot_product_attention" in message or "softmax" in message or "matmul" in message
+
+
+class CrossAttention(nn.Module):
+    """Q from the tokens, K/V from another graph input (encoder states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(VOCAB, 32)
+        self.q, self.kv = nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids, position_ids, enc):
+        x = self.wte(input_ids)
+        T, S = x.shape[1], enc.shape[1]
+        q = self.q(x).view(1, T, 4, 8).transpose(1, 2)
+        k, v = (t.view(1, S, 4, 8).transpose(1, 2) for t in self.kv(enc).split(32, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("enc_len", [4, 6], ids=["other_length", "same_length"])
+def test_cross_attention_is_refused(enc_len):
+    gm = capture(CrossAttention(), enc=torch.randn(1, enc_len, 32), **model_kwargs(6)).fresh()
+    with pytest.raises(LoweringError, match="cross-attention"):
+        find_attention.run(gm)
+
+
+def test_padding_mask_input_is_refused():
+    cap = capture(tiny_qwen2("sdpa"), attention_mask=torch.ones(1, 6, dtype=torch.long), **hf_kwargs())
+    with pytest.raises(LoweringError, match="depends on graph input 'l_kwargs_attention_mask_'"):
+        find_attention.run(cap.fresh())
+
+
+def test_hf_sliding_window_is_refused_and_left_unchanged():
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")).eval()
+    gm = capture(model, **hf_kwargs()).fresh()
+    code = gm.code
+    with pytest.raises(LoweringError, match=r"attn_output.*hides earlier token 0 from token 4"):
+        lower(gm)
+    result = lower(gm, strict=False)
+    assert not result.lowered and "sliding window" in result.reason
+    assert gm.code == code
+
+
+def test_static_capture_lowers_for_its_token_count():
+    model = TinyDecoder(sdpa_bool_mask)
+    cap = capture(model, dynamic=False, **model_kwargs(7))
+    gm = cap.fresh()
+    result = lower(gm)
+    assert result.sites[0].mask == "mask proven causal at 1 token counts up to 7"
+    seqs = [[1, 2, 3, 4], [5, 6, 7]]
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+
+
+def test_static_capture_of_a_larger_buffer_is_refused():
+    cap = capture(NanoGPT(), dynamic=False, **model_kwargs(7))
+    with pytest.raises(LoweringError, match="captured for exactly 7 tokens.*size 32.*dynamic=True"):
+        find_attention.run(cap.fresh(), cap.example_inputs)

@@ -1,0 +1,94 @@
+"""GraphView: shape-only edges, dataflow helpers, placeholder kinds, error descriptions, graph copies."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from kvgraph.passes.graph_view import (
+    GraphView,
+    copy_graph,
+    describe,
+    is_shape_read,
+    placeholder_kind,
+)
+
+
+def mask_of(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.size(1)  # a metadata read of x
+    i = torch.arange(n)
+    mask = i[:, None] >= i[None, :]
+    return mask, x * 2 + bias
+
+
+def traced() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
+    gm = torch.fx.symbolic_trace(mask_of)
+    return gm, {n.name: n for n in gm.graph.nodes}
+
+
+def test_size_reads_are_shape_only_edges():
+    gm, n = traced()
+    view = GraphView(gm)
+    assert is_shape_read(n["size"], n["x"])
+    assert view.g.edges[n["x"], n["size"]]["shape_only"]
+    assert not view.g.edges[n["x"], n["mul"]]["shape_only"]
+
+
+def test_data_ancestors_stop_at_shape_reads():
+    gm, n = traced()
+    view = GraphView(gm)
+    mask = n["ge"]
+    ancestors = view.data_ancestors([mask])
+    assert n["size"] in ancestors and n["arange"] in ancestors
+    assert n["x"] not in ancestors and n["bias"] not in ancestors
+    assert view.shape_sources(ancestors) == {n["x"]}
+    assert view.leaves(ancestors) == []
+
+
+def test_only_feeding_finds_what_dies_with_the_consumers():
+    gm, n = traced()
+    view = GraphView(gm)
+    mask_graph = view.data_ancestors([n["ge"]])
+    dead = view.only_feeding(mask_graph - {n["ge"]}, {n["ge"]})
+    assert dead == mask_graph - {n["ge"]}
+    # x also feeds the second output: it is never "only feeding" the mask
+    assert n["x"] not in view.only_feeding({n["x"], n["size"]}, {n["ge"]})
+
+
+def test_placeholder_kinds_of_a_dynamo_graph(llama_sdpa):
+    kinds = {n.name: placeholder_kind(n) for n in llama_sdpa.gm.graph.find_nodes(op="placeholder")}
+    assert list(kinds.values()).count("size") == 1  # the token count SymInt
+    assert kinds["l_kwargs_input_ids_"] == "input"
+    assert kinds["l_kwargs_position_ids_"] == "position"
+    assert kinds["l_self_modules_lm_head_parameters_weight_"] == "constant"
+    assert kinds["l_self_modules_model_modules_layers_modules_0_modules_self_attn_scaling"] == "constant"
+    assert kinds["l_self_modules_model_modules_rotary_emb_buffers_inv_freq_"] == "constant"
+
+
+def test_input_sources_follow_values_not_constants(llama_sdpa):
+    gm = llama_sdpa.gm
+    view = GraphView(gm)
+    ids = next(n for n in gm.graph.nodes if n.name == "l_kwargs_input_ids_")
+    logits = gm.graph.output_node().args[0][0]
+    assert view.input_sources(logits) == frozenset({ids})
+    arange = next(n for n in gm.graph.nodes if n.name == "q_arange")
+    assert view.input_sources(arange) == frozenset()
+
+
+def test_describe_names_node_target_and_source_line(llama_sdpa):
+    sdpa = next(n for n in llama_sdpa.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    text = describe(sdpa)
+    assert text.startswith(f"node '{sdpa.name}' (call_function torch._C._nn.scaled_dot_product_attention) at ")
+    assert "sdpa_attention.py:" in text and "scaled_dot_product_attention(" in text
+
+
+def test_copy_graph_is_independent():
+    gm, n = traced()
+    copied = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    assert copied.code == gm.code
+    node = next(iter(copied.graph.find_nodes(op="call_function", target=torch.arange)))
+    node.meta["tag"] = 1
+    with copied.graph.inserting_after(node):
+        copied.graph.call_function(torch.neg, (node,))
+    copied.recompile()
+    assert "tag" not in n["arange"].meta and "neg" not in gm.code

@@ -1,0 +1,89 @@
+"""prune_logits: the vocabulary projection runs on each sequence's last token only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowering_helpers import (
+    VOCAB,
+    RaggedCache,
+    TinyDecoder,
+    capture,
+    count_calls,
+    eager_last_logits,
+    model_kwargs,
+    run_step,
+)
+
+from kvgraph.errors import LoweringError
+from kvgraph.passes import lower, prune_logits
+from kvgraph.passes.graph_view import meta_value
+
+
+def causal(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+
+
+class Variant(TinyDecoder):
+    """TinyDecoder whose output is post-processed: ``last`` keeps only the last token (nanoGPT's
+    inference path), ``softcap`` caps the logits with tanh, ``hidden`` returns hidden states."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(causal)
+        self.kind = kind
+
+    def forward(self, input_ids, position_ids):
+        x = self.features(input_ids, position_ids)  # [1, T, C]
+        if self.kind == "last":
+            return self.head(x[:, [-1], :])
+        if self.kind == "softcap":
+            return torch.tanh(self.head(x) / 30.0) * 30.0
+        return x
+
+
+def test_hf_logits_become_one_row_per_sequence(llama_sdpa):
+    gm = llama_sdpa.fresh()
+    result = lower(gm)
+    assert result.logits_pruned
+    logits = gm.graph.output_node().args[0][0]
+    batch = meta_value(gm.graph.find_nodes(op="placeholder", target="cache_lengths")[0]).shape[0]
+    shape = meta_value(logits).shape
+    assert shape[0] == 1 and shape[1].node.expr == batch.node.expr and shape[2] == VOCAB
+    assert count_calls(gm, "index_select") == 1
+
+
+@pytest.mark.parametrize("kind", ["last", "softcap"])
+def test_pruned_variants_match_eager_per_sequence(kind):
+    model = Variant(kind)
+    cap = capture(model, **model_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    assert result.logits_pruned
+    seqs = [[3, 5, 7], [11, 13], [17, 19, 23, 29]]
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=3), seqs)
+    assert logits.shape == (1, 3, VOCAB)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+
+
+def test_last_token_only_graph_without_pruning_is_refused():
+    gm = capture(Variant("last"), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="keeps only the last token's logits"):
+        lower(gm, prune_logits=False)
+
+
+def test_output_without_a_final_linear_is_not_pruned():
+    cap = capture(Variant("hidden"), **model_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    assert not result.logits_pruned
+    assert prune_logits.find_logits(gm, result.sites[0].q.meta["example_value"].shape[2]) == []
+
+
+def test_disabled_pruning_keeps_every_token(llama_sdpa):
+    gm = llama_sdpa.fresh()
+    result = lower(gm, prune_logits=False)
+    assert not result.logits_pruned and count_calls(gm, "index_select") == 0
+    logits = gm.graph.output_node().args[0][0]
+    assert meta_value(logits).shape[1].node.expr == meta_value(result.sites[0].q).shape[2].node.expr
