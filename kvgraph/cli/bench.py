@@ -56,9 +56,7 @@ def run_kvgraph(llm, workload: Workload) -> SystemResult:
     """Warm up (compile), then run the workload with EOS ignored."""
     from kvgraph.engine import SamplingParams
 
-    llm.generate([[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
-    llm.generate([[8, 9, 10]], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    llm.reset_stats()
+    llm.warmup()
     sampling = SamplingParams(max_new_tokens=workload.max_new_tokens, ignore_eos=True)
     start = time.perf_counter()
     completions = llm.generate(workload.prompts, sampling)

@@ -52,7 +52,7 @@ def capture(args: argparse.Namespace) -> Captured:
     from kvgraph.engine.loading import kv_params_from_config, load_model, traced_kv_params
     from kvgraph.managers import load_kv_manager
     from kvgraph.request import KVRequest
-    from kvgraph.step import prepare_step
+    from kvgraph.step import run_step
 
     source, _ = load_model_arg(args)
     model, _ = load_model(source)
@@ -65,11 +65,8 @@ def capture(args: argparse.Namespace) -> Captured:
     manager = load_kv_manager(params, 1, args.prompt_len)
     compiled = kvgraph.compile(model, manager=manager, inner="eager", prune_logits=not args.no_prune_logits)
     (seq,) = manager.claim(1)
-    req = KVRequest(seq, list(range(3, 3 + args.prompt_len)))
-    kv = manager.fetch([req])
-    step = prepare_step([req.tokens], [0], device)
-    with torch.inference_mode(), kvgraph.bind(kv, step.input_row_offsets):
-        compiled(input_ids=step.input_ids, position_ids=step.position_ids)
+    with torch.inference_mode():
+        run_step(compiled, manager, [KVRequest(seq, list(range(3, 3 + args.prompt_len)))])
     runner = compiled.backend.runners[0]
     result = next(iter(runner.layouts.values())).result
     return Captured(runner.gm, result.gm, list(result.kv_placeholders), list(result.sites))

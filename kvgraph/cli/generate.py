@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = build_llm(args)
+    warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
                disable=args.no_progress, dynamic_ncols=True)
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         f"{len(completions)} prompts, {new_tokens} new tokens in {elapsed:.2f}s: "
         f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
-        f"peak {stats['kv_pages_peak']} KV pages, prefix hit rate {stats['prefix_hit_rate']:.0%}"
+        f"peak {stats['kv_pages_peak']} KV pages, prefix hit rate {stats['prefix_hit_rate']:.0%} "
+        f"(compile and warm-up: {warmup:.1f}s, not counted)"
     )
     if args.json:
         out = {
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 for c in completions
             ],
             "elapsed_s": elapsed,
+            "warmup_s": warmup,
             "tokens_per_s": new_tokens / elapsed,
             "stats": stats,
         }

@@ -322,6 +322,17 @@ class LLM:
             f"({self._capacity_text()})"
         )
 
+    def warmup(self) -> float:
+        """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
+        specialises (several tokens per step; one token per step, ``T == 1``), then reset
+        the stats. Returns the seconds it took."""
+        start = time.perf_counter()
+        quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        self.generate([[0, 0, 0], [0, 0]], quick)
+        self.generate([[0, 0, 0]], quick)
+        self.reset_stats()
+        return time.perf_counter() - start
+
     # -- stats --
     def stats(self) -> dict:
         """Throughput (prefill and decode tokens/s), steps, batch-size histogram, KV pages

@@ -240,3 +240,13 @@ def test_other_presets_match_hf_greedy(preset, hf_greedy):
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(model, prompt, 7)
+
+
+def test_after_warmup_no_batch_or_token_count_compiles_a_new_graph(llm):
+    assert llm.warmup() > 0
+    graphs = llm.stats()["compiled_graphs"]
+    assert graphs >= 2  # several tokens per step, and one (T == 1)
+    llm.generate([[7] * 20, [8] * 3, [9] * 41, [10]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    llm.generate([[11] * 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert llm.stats()["compiled_graphs"] == graphs
+    assert llm.stats()["steps"] > 0
