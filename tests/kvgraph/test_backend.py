@@ -173,6 +173,28 @@ def test_by_name_with_inductor_writes_the_cache_in_place_without_copying_it(mode
     assert not re.search(r"empty_strided\w*\(\((\w+, ){5}\w+\)", code), "a buffer of the cache's rank was allocated"
 
 
+@pytest.mark.gpu
+def test_inductor_on_cuda_allocates_nothing_the_size_of_the_cache(model):
+    model = model.cuda()
+    cache = params("paged", 4, device="cuda")
+    mgr = load_kv_manager(cache, max_batch_size=4, max_seq_len=32, num_pages=8192)  # 8 MiB of blocks
+    compiled = kvgraph.compile(model, manager=mgr)
+    ptr = mgr.blocks.data_ptr()
+    ids = mgr.claim(len(PROMPTS))
+    new = [list(p) for p in PROMPTS]
+    for step in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            logits = run_step(compiled, mgr, [KVRequest(i, t) for i, t in zip(ids, new, strict=True)])
+        torch.cuda.synchronize()
+        if step > 0:  # after the compile
+            assert torch.cuda.max_memory_allocated() - base < mgr.blocks.nbytes // 4
+        new = [[t] for t in logits[0].argmax(-1).tolist()]
+    assert mgr.blocks.data_ptr() == ptr
+
+
 def test_eager_inner_mutates_the_cache_without_cache_sized_copies(model):
     mgr = manager("continuous")
     compiled = kvgraph.compile(model, inner="eager")

@@ -95,6 +95,7 @@ def ragged_decode(
 ) -> Decoded:
     """Prefill all ``prompts`` in one ragged step, then ``steps`` decode steps of the whole batch.
 
+    ``compiled`` returns logits ``[1, batch, V]`` or an object holding them as ``.logits``.
     Greedy; with ``forced`` (per sequence, at least ``steps`` tokens) each decode step feeds
     ``forced[b][step]`` instead (teacher forcing). Releases the sequences at the end.
     """
@@ -105,7 +106,8 @@ def ragged_decode(
         for step in range(steps + 1):
             batch = [KVRequest(i, tokens) for i, tokens in zip(ids, new, strict=True)]
             with torch.no_grad():
-                logits = run_step(compiled, manager, batch).logits[0]  # [batch, V]
+                result = run_step(compiled, manager, batch)
+            logits = (result if isinstance(result, torch.Tensor) else result.logits)[0]  # [batch, V]
             out.logits.append(logits)
             chosen = logits.argmax(-1).tolist()
             for b, t in enumerate(chosen):
