@@ -24,3 +24,4 @@ def kvgraph_cli():
 def fast_flags():
     """Engine flags that keep a CLI run small: eager inner compiler, 4 sequences."""
     return list(FAST)
+

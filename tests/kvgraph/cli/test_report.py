@@ -1,0 +1,26 @@
+import pytest
+
+from kvgraph.cli.baselines import SystemResult
+from kvgraph.cli.report import agreement, format_table, percentile, summarize
+
+
+def test_percentile_interpolates_linearly():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+
+
+def test_summary_ratio_and_agreement():
+    ref = SystemResult("kvgraph", [[1, 2, 3], [4, 5, 6]], 1.0, [0.1, 0.2], [0.01] * 4, 100, 50, 0.1)
+    other = SystemResult("hf-generate", [[1, 2, 3], [4, 9, 6]], 2.0, [0.3, 0.3], [0.02] * 4)
+    row = summarize(other, ref)
+    assert row["tokens_per_s"] == 3.0 and row["speedup_vs_kvgraph"] == 2.0
+    assert row["ttft_p50_ms"] == pytest.approx(300.0) and row["itl_p99_ms"] == pytest.approx(20.0)
+    assert row["kv_peak_bytes"] is None
+    assert agreement(ref, other) == {
+        "system": "hf-generate", "identical": 1, "requests": 2, "first_mismatch": {"request": 1, "token": 1},
+    }
+    table = format_table([summarize(ref, ref), row])
+    assert table.splitlines()[0].split()[:2] == ["system", "tok/s"]
+    assert "n/a" in table.splitlines()[2]
