@@ -13,9 +13,12 @@ from kvgraph.engine.loading import (
     eos_token_ids,
     kv_params_from_config,
     load_model,
+    make_manager,
+    resolve_device,
     traced_kv_params,
     vocab_size,
 )
+from kvgraph.engine.prompts import Prompt, as_prompt_list, capacity_text, check_fits, encode_prompt
 from kvgraph.engine.requests import (
     Completion,
     EngineRequest,
@@ -25,15 +28,12 @@ from kvgraph.engine.requests import (
 from kvgraph.engine.runner import ModelRunner
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
-from kvgraph.engine.stats import EngineStats
-from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
-from kvgraph.managers import load_kv_manager
-from kvgraph.managers.base import KVCacheManager, check_positive_int
-from kvgraph.managers.paged import PagedKVCacheManager
+from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
+from kvgraph.errors import InvalidParamsError, OutOfPagesError
+from kvgraph.managers.base import check_positive_int
 from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.step import prepare_step
 
-Prompt = str | Sequence[int]
 COMPILE_MODES = ("inductor", "eager")
 
 
@@ -79,10 +79,10 @@ class LLM:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         strategy = KVCacheStrategy.parse(cache_strategy)
         module, self.tokenizer = load_model(model, tokenizer)
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self.model = module.to(device=self.device, dtype=dtype).eval()
         self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
-        self.manager = _make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
+        self.manager = make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
         self.max_seq_len = max_seq_len
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.vocab_size = vocab_size(self.model)
@@ -117,8 +117,8 @@ class LLM:
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        ids = self._encode(prompt)
-        self._check_fits(ids, sampling)
+        ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
+        check_fits(self.manager, ids, sampling, self.max_seq_len)
         return ids, sampling
 
     def _queue(self, ids: list[int], sampling: SamplingParams) -> int:
@@ -145,7 +145,9 @@ class LLM:
 
     def completion(self, request_id: int) -> Completion:
         """The request's output so far (its final result once finished)."""
-        r = self._requests[request_id]
+        r = self._requests.get(request_id)
+        if r is None:
+            raise InvalidParamsError(f"unknown request id {request_id!r}")
         return Completion(
             token_ids=list(r.output_ids),
             text=self._decode(r.output_ids),
@@ -220,7 +222,7 @@ class LLM:
             len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps
         )
         self._record_pages()
-        self._record_occupancy()
+        self._stats.record_occupancy(*occupancy(self.manager, self.scheduler.running))
         return events
 
     def _run(self, out: SchedulerOutput) -> _StepRun:
@@ -293,22 +295,7 @@ class LLM:
         return TokenEvent(request.request_id, request.request_id, token, text, reason)
 
     def _record_pages(self) -> None:
-        m = self.manager
-        if isinstance(m, PagedKVCacheManager):
-            self._stats.record_pages(m.total_pages - m.free_pages, m.total_pages, self.params.page_bytes)
-        else:
-            slot_bytes = m.max_seq_len * self.params.bytes_per_token
-            self._stats.record_pages(m.max_batch_size - m.slots_remaining, m.max_batch_size, slot_bytes)
-
-    def _record_occupancy(self) -> None:
-        """Slots held vs tokens stored by the running sequences (each one's own slack: a shared
-        prefix page is full, so sharing adds none)."""
-        m, running = self.manager, self.scheduler.running
-        if isinstance(m, PagedKVCacheManager):
-            held = sum(len(m.pages_of(r.seq_id)) for r in running) * m.page_size
-        else:
-            held = len(running) * m.max_seq_len
-        self._stats.record_occupancy(held, sum(r.num_computed for r in running))
+        self._stats.record_pages(*cache_usage(self.manager))
 
     def _no_progress(self, out: SchedulerOutput) -> None:
         """An empty batch with nothing preempted: the head of the queue can never fit."""
@@ -319,7 +306,7 @@ class LLM:
         self._stats.aborted += 1
         raise OutOfPagesError(
             f"request {head.request_id} ({head.num_tokens} tokens) does not fit the empty cache "
-            f"({self._capacity_text()})"
+            f"({capacity_text(self.manager)})"
         )
 
     def warmup(self) -> float:
@@ -349,7 +336,7 @@ class LLM:
     # -- helpers --
     def _add_all(self, prompts, sampling) -> list[int]:
         """Validate every prompt, then queue them all (nothing is queued if one is bad)."""
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if len(sampling) != len(prompts):
@@ -364,44 +351,6 @@ class LLM:
         completion = self.completion(request_id)
         del self._requests[request_id]
         return completion
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParamsError(
-                    f"text prompt {prompt[:32]!r} needs a tokenizer; this LLM has none (pass token ids)"
-                )
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise InvalidParamsError("prompt is empty; it needs at least one token")
-        limit = self.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (limit is not None and t >= limit):
-                raise InvalidParamsError(f"prompt token {t!r} is not an id in [0, {limit})")
-        if len(ids) > self.max_seq_len:
-            raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={self.max_seq_len}")
-        return ids
-
-    def _check_fits(self, ids: list[int], sampling: SamplingParams) -> None:
-        m = self.manager
-        if not isinstance(m, PagedKVCacheManager):
-            return
-        # the last generated token is returned, never fed back: it takes no cache
-        tokens = min(len(ids) + sampling.max_new_tokens - 1, self.max_seq_len)
-        pages = -(-tokens // m.page_size)
-        if pages > m.total_pages:
-            raise OutOfPagesError(
-                f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens caches {tokens} tokens and "
-                f"needs {pages} pages; {self._capacity_text()}"
-            )
-
-    def _capacity_text(self) -> str:
-        m = self.manager
-        if isinstance(m, PagedKVCacheManager):
-            return f"the pool has {m.total_pages} pages of {m.page_size} tokens"
-        return f"{m.max_batch_size} slots of {m.max_seq_len} tokens"
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -437,44 +386,6 @@ class _AbortOnExit:
                 self.llm.abort(i)
             if exc[0] is not None:
                 self.llm._requests.pop(i, None)
-
-
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
-
-
-def _make_manager(
-    params: KVCacheParams, max_batch_size: int, max_seq_len: int, kv_cache_memory: int | None
-) -> KVCacheManager:
-    if kv_cache_memory is None:
-        return load_kv_manager(params, max_batch_size, max_seq_len)
-    if params.is_paged:
-        return load_kv_manager(params, max_batch_size, max_seq_len, cache_memory=kv_cache_memory)
-    need = max_batch_size * max_seq_len * params.bytes_per_token
-    if kv_cache_memory < need:
-        raise InvalidParamsError(
-            f"kv_cache_memory={kv_cache_memory} bytes is less than the {need} bytes the continuous cache "
-            f"needs ({max_batch_size} slots of {max_seq_len} tokens)"
-        )
-    return load_kv_manager(params, max_batch_size, max_seq_len)
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    """``device`` parsed (default: CUDA when available, else the CPU)."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidParamsError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
-    return device
 
 
 def _compiled_graphs(compiled: object) -> int:

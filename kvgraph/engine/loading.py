@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from kvgraph.errors import InvalidParamsError
+from kvgraph.managers import load_kv_manager
+from kvgraph.managers.base import KVCacheManager
 from kvgraph.params import KVCacheParams, KVCacheStrategy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -138,3 +140,35 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: object | None) -> tuple[int
 def vocab_size(model: torch.nn.Module) -> int | None:
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     return size if isinstance(size, int) else None
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` parsed (default: CUDA when available, else the CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidParamsError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
+    return device
+
+
+def make_manager(
+    params: KVCacheParams, max_batch_size: int, max_seq_len: int, kv_cache_memory: int | None
+) -> KVCacheManager:
+    """The manager for ``params``: a paged pool of ``kv_cache_memory`` bytes (default: room for
+    ``max_batch_size`` sequences of ``max_seq_len`` tokens), or continuous slots, which need
+    ``max_batch_size * max_seq_len`` tokens up front (more than ``kv_cache_memory`` raises)."""
+    if kv_cache_memory is None:
+        return load_kv_manager(params, max_batch_size, max_seq_len)
+    if params.is_paged:
+        return load_kv_manager(params, max_batch_size, max_seq_len, cache_memory=kv_cache_memory)
+    need = max_batch_size * max_seq_len * params.bytes_per_token
+    if kv_cache_memory < need:
+        raise InvalidParamsError(
+            f"kv_cache_memory={kv_cache_memory} bytes is less than the {need} bytes the continuous cache "
+            f"needs ({max_batch_size} slots of {max_seq_len} tokens)"
+        )
+    return load_kv_manager(params, max_batch_size, max_seq_len)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvgraph.engine.requests import EngineRequest
+from kvgraph.managers.base import KVCacheManager
+from kvgraph.managers.paged import PagedKVCacheManager
 
 
 @dataclass
@@ -100,3 +105,23 @@ class EngineStats:
 
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
+
+
+def cache_usage(manager: KVCacheManager) -> tuple[int, int, int]:
+    """``(held, total, bytes each)`` of the cache's units: pages of a paged pool, slots of a
+    continuous cache."""
+    params = manager.params
+    if isinstance(manager, PagedKVCacheManager):
+        return manager.total_pages - manager.free_pages, manager.total_pages, params.page_bytes
+    slot_bytes = manager.max_seq_len * params.bytes_per_token
+    return manager.max_batch_size - manager.slots_remaining, manager.max_batch_size, slot_bytes
+
+
+def occupancy(manager: KVCacheManager, running: Sequence[EngineRequest]) -> tuple[int, int]:
+    """``(slots held, tokens stored)`` by the running sequences, each counting its own pages (a
+    shared prefix page is full, so sharing adds no slack)."""
+    if isinstance(manager, PagedKVCacheManager):
+        held = sum(len(manager.pages_of(r.seq_id)) for r in running) * manager.page_size
+    else:
+        held = len(running) * manager.max_seq_len
+    return held, sum(r.num_computed for r in running)

@@ -1,0 +1,61 @@
+"""Prompt checks done before a request is queued: tokens, lengths, and whether the cache can ever hold it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvgraph.engine.sampling import SamplingParams
+from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
+from kvgraph.managers.base import KVCacheManager
+from kvgraph.managers.paged import PagedKVCacheManager
+
+Prompt = str | Sequence[int]
+
+
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def encode_prompt(prompt: Prompt, tokenizer: object | None, vocab_size: int | None, max_seq_len: int) -> list[int]:
+    """The prompt's token ids; ``InvalidParamsError`` for text without a tokenizer, an empty prompt or
+    an id outside ``[0, vocab_size)``, ``SequenceLengthError`` past ``max_seq_len``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidParamsError(f"text prompt {prompt[:32]!r} needs a tokenizer; this LLM has none (pass token ids)")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise InvalidParamsError("prompt is empty; it needs at least one token")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise InvalidParamsError(f"prompt token {t!r} is not an id in [0, {vocab_size})")
+    if len(ids) > max_seq_len:
+        raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={max_seq_len}")
+    return ids
+
+
+def check_fits(manager: KVCacheManager, ids: list[int], sampling: SamplingParams, max_seq_len: int) -> None:
+    """``OutOfPagesError`` if the request needs more pages than the whole pool, even running alone."""
+    if not isinstance(manager, PagedKVCacheManager):
+        return
+    # the last generated token is returned, never fed back: it takes no cache
+    tokens = min(len(ids) + sampling.max_new_tokens - 1, max_seq_len)
+    pages = -(-tokens // manager.page_size)
+    if pages > manager.total_pages:
+        raise OutOfPagesError(
+            f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens caches {tokens} tokens and "
+            f"needs {pages} pages; {capacity_text(manager)}"
+        )
+
+
+def capacity_text(manager: KVCacheManager) -> str:
+    if isinstance(manager, PagedKVCacheManager):
+        return f"the pool has {manager.total_pages} pages of {manager.page_size} tokens"
+    return f"{manager.max_batch_size} slots of {manager.max_seq_len} tokens"
