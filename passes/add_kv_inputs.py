@@ -102,7 +102,6 @@ def run(gm: torch.fx.GraphModule, params: KVCacheParams) -> KVPlaceholders:
         anchor.meta["val"] = fake
         anchor.meta["example_value"] = fake
         nodes.append(anchor)
-    gm.recompile()
     kv = KVPlaceholders(*nodes, symbols=symbols)
     log_pass("add_kv_inputs", start, ", ".join(f"{n.name}: {_type(meta_value(n))}" for n in nodes))
     return kv

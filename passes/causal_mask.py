@@ -72,6 +72,7 @@ class MaskProver:
         self.example_inputs = example_inputs
         self._placeholder_index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
         self._proven: dict[tuple[MaskEffect, ...], str] = {}
+        self._subgraphs: dict[tuple[MaskEffect, ...], frozenset[Node]] = {}
 
     # -- public --
     def prove(self, site: Node, effects: Sequence[MaskEffect]) -> str:
@@ -81,9 +82,12 @@ class MaskProver:
             self._proven[key] = self._prove(site, key)
         return self._proven[key]
 
-    def mask_nodes(self, effects: Sequence[MaskEffect]) -> set[Node]:
+    def mask_nodes(self, effects: Sequence[MaskEffect]) -> frozenset[Node]:
         """The mask subgraph: every node whose values reach the effects' tensors."""
-        return self.view.data_ancestors(n for e in effects for n in e.nodes())
+        key = tuple(effects)
+        if key not in self._subgraphs:
+            self._subgraphs[key] = frozenset(self.view.data_ancestors(n for e in key for n in e.nodes()))
+        return self._subgraphs[key]
 
     # -- steps --
     def _prove(self, site: Node, effects: tuple[MaskEffect, ...]) -> str:
@@ -94,7 +98,7 @@ class MaskProver:
         has_positions = any(placeholder_kind(leaf) == "position" for leaf in leaves)
         sizes = self._check_sizes(site, nodes, leaves)
         offsets = POSITION_OFFSETS if has_positions else (0,)
-        ordered = sorted(nodes | self.view.shape_sources(nodes), key=self.view.order.__getitem__)
+        ordered = sorted(nodes | self.view.shape_sources(set(nodes)), key=self.view.order.__getitem__)
         for T in sizes:
             for offset in offsets:
                 scores = self._evaluate(site, ordered, nodes, effects, T, offset)

@@ -63,7 +63,6 @@ def run(gm: torch.fx.GraphModule, sites: list[AttentionSite], kv: KVPlaceholders
                 out = emit(torch.Tensor.to, out, dtype)
         site.node.replace_all_uses_with(out)
         calls.append(call)
-    gm.recompile()
     log_pass("lower_attention", start,
              f"{len(calls)} sites -> {op}, layer_idx 0..{len(calls) - 1}, "
              f"{sum(1 for s in sites if s.repeat in ('expand+reshape', 'repeat_interleave'))} un-repeated K/V")

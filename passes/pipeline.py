@@ -7,7 +7,8 @@ Pass order (each in its own module)::
 ``lower(gm, ...)`` is the front door; :class:`LoweringPipeline` owns the order, the timings,
 the optional ``dump(stage, gm)`` after each pass, and the all-or-nothing rule: if any pass
 refuses (``LoweringError``) the graph is restored exactly as it was, then the error is raised
-(``strict=True``) or logged and reported in the result (``strict=False``).
+(``strict=True``) or logged and reported in the result (``strict=False``). The passes edit
+``gm.graph``; the pipeline regenerates ``gm``'s code once at the end (and before each dump).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class LoweringPipeline:
                       self.prune_logits)
         step("dce", verify.dce, gm)
         step("verify", verify.run, gm, analysis, kv)
+        gm.recompile()
         return LoweringResult(gm, True, None, params, kv.symbols, kv.names(), analysis.sites, pruned, timings)
 
     def _params(self, analysis: AttentionAnalysis) -> KVCacheParams:
@@ -134,6 +136,7 @@ class LoweringPipeline:
 
     def _dump(self, stage: str, gm: torch.fx.GraphModule) -> None:
         if self.dump is not None:
+            gm.recompile()
             self.dump(stage, gm)
 
 

@@ -88,7 +88,6 @@ def run(
         site.linear.replace_input_with(site.linear.args[0], rows)
         for node in (tail, last, rows, *site.chain):
             _refresh(node, fake_mode)
-    gm.recompile()
     names = ", ".join(f"{s.linear.name} {tuple(meta_value(s.chain[-1]).shape)}" for s in sites)
     log_pass("prune_logits", start, f"pruned {names}" if sites else "no final linear on the outputs")
     return bool(sites)

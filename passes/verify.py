@@ -34,7 +34,6 @@ def dce(gm: torch.fx.GraphModule) -> int:
     start = time.perf_counter()
     before = len(gm.graph.nodes)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     removed = before - len(gm.graph.nodes)
     log_pass("dce", start, f"removed {removed} nodes, {len(gm.graph.nodes)} left")
     return removed
