@@ -184,7 +184,8 @@ class LLM:
     ) -> Iterator[TokenEvent]:
         """Yield each token of ``prompts`` as soon as it is generated (``TokenEvent.index`` says whose).
 
-        Leaving the loop early (``break``, an exception) aborts what is left and frees its pages.
+        Leaving the loop early (``break``, an exception) aborts what is left and frees its pages
+        as soon as the generator is closed (at once in CPython, when the loop drops it).
         """
         ids = self._add_all(prompts, sampling)
         index = {rid: i for i, rid in enumerate(ids)}

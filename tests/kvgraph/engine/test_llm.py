@@ -250,3 +250,28 @@ def test_after_warmup_no_batch_or_token_count_compiles_a_new_graph(llm):
     llm.generate([[11] * 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert llm.stats()["compiled_graphs"] == graphs
     assert llm.stats()["steps"] > 0
+
+
+def test_seeded_sampling_survives_preemption(llm, shared_prefix_prompts):
+    prompts = shared_prefix_prompts(0, [10, 14, 7, 12, 9], seed=5)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(5)]
+    llm.reset_stats()
+    together = llm.generate(prompts, params)
+    assert llm.stats()["preemptions"] > 0
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        (alone,) = llm.generate([prompt], p)
+        assert out.token_ids == alone.token_ids
+
+
+def test_stream_text_adds_up_and_breaking_out_frees_everything(llm):
+    pieces, ids = [], []
+    for event in llm.stream("stream me", SamplingParams(max_new_tokens=6, ignore_eos=True)):
+        pieces.append(event.text)
+        ids.append(event.token_id)
+    assert event.finish_reason == "length" and len(ids) == 6
+    assert "".join(pieces) == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    for event in llm.stream(["a", "bb", "ccc"], SamplingParams(max_new_tokens=10)):
+        if event.index == 2:
+            break
+    assert _all_free(llm)
