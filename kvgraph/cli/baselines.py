@@ -142,5 +142,5 @@ def hf_generate_batch(
     itl = [b - a for r in ordered for a, b in zip(r.timestamps, r.timestamps[1:], strict=False)]
     return SystemResult(
         "hf-generate-batch", [list(r.generated_tokens) for r in ordered], elapsed, ttft, itl,
-        kv_allocated_bytes=num_pages * params.page_bytes,
+        kv_allocated_bytes=num_pages * page_size * params.bytes_per_token,
     )
