@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from kvgraph.errors import LoweringError
 from kvgraph.managers.base import INDEX_DTYPE, ragged_input_symbols
@@ -56,15 +55,19 @@ class KVPlaceholders:
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule) -> FakeTensorMode:
-    """The fake mode (with its ShapeEnv) of ``gm``'s placeholder metadata."""
-    vals = [meta_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-    fake_mode = detect_fake_mode([v for v in vals if v is not None])
-    if fake_mode is None or fake_mode.shape_env is None:
-        raise LoweringError(
-            "the graph's placeholders carry no fake tensors with a ShapeEnv (meta['val'] / "
-            "meta['example_value']); capture it with torch.compile (Dynamo)"
-        )
-    return fake_mode
+    """The fake mode (with its ShapeEnv) of ``gm``'s placeholder metadata.
+
+    Read from the fake tensors themselves rather than ``detect_fake_mode``, which inside a
+    Dynamo backend call returns the backend's fresh fake mode (same ShapeEnv, other tensors).
+    """
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = meta_value(node)
+        if isinstance(val, FakeTensor) and val.fake_mode.shape_env is not None:
+            return val.fake_mode
+    raise LoweringError(
+        "the graph's placeholders carry no fake tensors with a ShapeEnv (meta['val'] / "
+        "meta['example_value']); capture it with torch.compile (Dynamo)"
+    )
 
 
 @contextlib.contextmanager
@@ -101,6 +104,7 @@ def run(gm: torch.fx.GraphModule, params: KVCacheParams) -> KVPlaceholders:
             anchor = graph.placeholder(name, type_expr=torch.Tensor)
         anchor.meta["val"] = fake
         anchor.meta["example_value"] = fake
+        anchor._dynamo_source = None  # aot_autograd expects one on every placeholder of a Dynamo graph
         nodes.append(anchor)
     kv = KVPlaceholders(*nodes, symbols=symbols)
     log_pass("add_kv_inputs", start, ", ".join(f"{n.name}: {_type(meta_value(n))}" for n in nodes))

@@ -95,12 +95,16 @@ def describe(node: torch.fx.Node) -> str:
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A copy of ``graph``: same node names, metadata (shallow-copied dicts) and codegen."""
+    """A copy of ``graph``: same node names, metadata (shallow-copied dicts), Dynamo sources and codegen."""
     copied = torch.fx.Graph(tracer_cls=graph._tracer_cls, tracer_extras=graph._tracer_extras)
     copied._codegen = copy.deepcopy(graph._codegen)
-    out, old_output = copied.graph_copy(graph, {}, return_output_node=True)
+    nodes: dict[torch.fx.Node, torch.fx.Node] = {}
+    out, old_output = copied.graph_copy(graph, nodes, return_output_node=True)
     new_output = copied.output(out, type_expr=old_output.type)
     new_output.meta = copy.copy(old_output.meta)
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):  # aot_autograd reads it on the placeholders of Dynamo graphs
+            new._dynamo_source = old._dynamo_source
     return copied
 
 

@@ -5,10 +5,10 @@ Pass order (each in its own module)::
     find_attention -> add_kv_inputs -> lower_attention -> prune_logits -> dce -> verify
 
 ``lower(gm, ...)`` is the front door; :class:`LoweringPipeline` owns the order, the timings,
-the optional ``dump(stage, gm)`` after each pass, and the all-or-nothing rule: if any pass
-refuses (``LoweringError``) the graph is restored exactly as it was, then the error is raised
-(``strict=True``) or logged and reported in the result (``strict=False``). The passes edit
-``gm.graph``; the pipeline regenerates ``gm``'s code once at the end (and before each dump).
+the optional ``dump(stage, gm)`` after each pass, and the all-or-nothing rule: the passes edit a
+copy of the graph, which replaces ``gm.graph`` only once every pass succeeded. If any pass
+refuses (``LoweringError``) ``gm`` is left exactly as it was, and the error is raised
+(``strict=True``) or logged and reported in the result (``strict=False``).
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ class LoweringPipeline:
     def __call__(self, gm: torch.fx.GraphModule) -> LoweringResult:
         start = time.perf_counter()
         timings: dict[str, float] = {}
-        saved = copy_graph(gm.graph)
         self._dump("captured", gm)
+        # The passes edit a copy: the captured Graph object is never touched (Dynamo still reads
+        # it after its backend returns), and a refusal leaves ``gm`` exactly as it was.
+        work = torch.fx.GraphModule(gm, copy_graph(gm.graph))
         try:
-            result = self._run(gm, timings)
+            result = self._run(work, timings)
         except Exception as exc:
-            gm.graph = saved
             error = exc if isinstance(exc, LoweringError) else LoweringError(
                 f"lowering failed unexpectedly: {type(exc).__name__}: {exc}")
             if self.strict:
@@ -91,6 +92,8 @@ class LoweringPipeline:
                 raise error from exc
             logger.warning("graph left unlowered: %s", error)
             return LoweringResult(gm, False, str(error), None, None, timings=timings)
+        gm.graph = work.graph
+        result.gm = gm
         log_pass("pipeline", start, f"lowered {len(result.sites)} attention sites")
         return result
 
@@ -110,7 +113,6 @@ class LoweringPipeline:
                       self.prune_logits)
         step("dce", verify.dce, gm)
         step("verify", verify.run, gm, analysis, kv)
-        gm.recompile()
         return LoweringResult(gm, True, None, params, kv.symbols, kv.names(), analysis.sites, pruned, timings)
 
     def _params(self, analysis: AttentionAnalysis) -> KVCacheParams:
@@ -155,7 +157,8 @@ def lower(
     """Lower a Dynamo graph of a decoder (batch of one, ``[1, T]`` tokens) to a ragged KV-cache graph.
 
     Args:
-        gm: the captured graph; modified in place (restored if lowering is refused).
+        gm: the captured graph; its ``graph`` is replaced by the lowered one (the captured Graph
+            object itself is not edited), or left as it was if lowering is refused.
         cache_strategy, page_size, device: the cache layout (device defaults to the graph's).
         expected: a manager's params; the graph must need exactly its n_kv_heads, head_dim,
             num_layers and dtype (``LoweringError`` naming both sides otherwise), and then

@@ -9,6 +9,7 @@ import torch
 from lowering_helpers import (
     VOCAB,
     RaggedCache,
+    TinyDecoder,
     capture,
     count_calls,
     eager_last_logits,
@@ -157,8 +158,8 @@ def test_not_strict_leaves_refused_graph_unchanged_and_logs(caplog):
     assert gm.code == code
 
 
-def test_failure_in_a_late_pass_restores_the_graph(llama_sdpa, monkeypatch):
-    """A verification failure after DCE (here: a forged layer index) still leaves the graph as captured."""
+def test_failure_in_a_late_pass_leaves_the_graph_as_captured(llama_sdpa, monkeypatch):
+    """A verification failure after DCE (here: a forged layer index) leaves gm untouched."""
     from kvgraph.passes import lower_attention
 
     real = lower_attention.run
@@ -170,12 +171,60 @@ def test_failure_in_a_late_pass_restores_the_graph(llama_sdpa, monkeypatch):
 
     monkeypatch.setattr(lower_attention, "run", forged)
     gm = llama_sdpa.fresh()
-    code = gm.code
+    graph, code = gm.graph, gm.code
     result = LoweringPipeline(strict=False)(gm)
     assert not result.lowered and "layer_idx" in result.reason
-    assert gm.code == code
-    run_graph = gm.forward  # the restored graph still runs as the original
-    assert callable(run_graph)
+    assert gm.graph is graph and gm.code == code
+
+
+def test_captured_graph_object_is_never_edited(llama_sdpa):
+    """Dynamo keeps reading the Graph it handed to the backend: lowering swaps in a new one."""
+    gm = llama_sdpa.fresh()
+    graph = gm.graph
+    code = graph.python_code("self").src
+    result = lower(gm)
+    assert result.gm is gm and gm.graph is not graph
+    assert graph.python_code("self").src == code
+    assert len(lowered_ops(gm)) == 2
+
+
+def test_lowered_graph_compiles_inside_a_dynamo_backend():
+    """The lowered graph goes through aot_autograd in the backend call that captured it, and runs
+    a ragged prefill then a decode step with another token count without recompiling."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    model = TinyDecoder(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True))
+    state = {"compiles": 0}
+
+    def backend(gm, example_inputs):
+        result = lower(gm)
+        cache = state["cache"] = RaggedCache(result.params, batch=2)
+        names = result.kv_placeholders
+        kv = cache.step_inputs(state["new"])
+        compiled = aot_eager(gm, [*example_inputs, *(kv[n] for n in names)])
+        state["compiles"] += 1
+
+        def run(*args):
+            kv = cache.step_inputs(state["new"])
+            return compiled(*args, *(kv[n] for n in names))
+        return run
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    seqs = [[1, 2, 3, 4], [5, 6]]
+    for step, positions in [(seqs, [0, 1, 2, 3, 0, 1]), ([[7], [8]], [4, 2])]:
+        state["new"] = [len(s) for s in step]
+        if step is not seqs:
+            for s, new in zip(seqs, step, strict=True):
+                s.extend(new)
+        tokens = torch.tensor([t for s in step for t in s])[None]
+        with torch.no_grad():
+            logits = compiled(input_ids=tokens, position_ids=torch.tensor(positions)[None])
+        state["cache"].lengths = [len(s) for s in seqs]
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+    assert state["compiles"] == 1
 
 
 def test_no_attention_is_refused():
