@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/python -m kvgraph.demo
+	$(BIN)/kvgraph generate --model llama-tiny --prompt "Hello from kvgraph" --max-new-tokens 32
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgraph passes kernels tests benchmarks
