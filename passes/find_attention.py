@@ -131,6 +131,7 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     for i, site in enumerate(sites):
         site.layer_idx = i
     _check_uniform(sites)
+    _check_positions_are_inputs(view, sites, matches, token_count)
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
     dead = view.only_feeding(mask_nodes, set().union(*(s.body for s in sites)))
     analysis = AttentionAnalysis(sites, token_count, frozenset(dead), view)
@@ -311,6 +312,27 @@ def _unrepeat(m: _Match) -> tuple[Node, Node, str | None]:
     if k.how is None or v.how is None or P.shape(k.node)[1] != P.shape(v.node)[1]:
         return m.k, m.v, None
     return k.node, v.node, k.how
+
+
+def _check_positions_are_inputs(
+    view: GraphView, sites: list[AttentionSite], matches: list[_Match], token_count: object
+) -> None:
+    """Refuse token positions computed inside the graph (``arange(T)`` reaching q, k or v).
+
+    After lowering, the ``T`` tokens of a step belong to several sequences and continue their
+    caches, so ``0..T-1`` are not their positions: positions must come in as an input. Masks
+    are cut off the walk (their aranges only reach later layers through attention).
+    """
+    masks = frozenset((e, n) for m in matches for e in (x for f in m.effects for x in f.nodes()) for n in m.body)
+    values = view.data_ancestors((n for s in sites for n in (s.q, s.k, s.v)), cut=masks)
+    for node in sorted(values, key=view.order.__getitem__):
+        s = P.shape(node) if P.is_call(node, P.ARANGE) else None
+        if s and len(s) == 1 and P.same_size(s[0], token_count):
+            raise LoweringError(
+                f"cannot lower attention {describe(sites[0].node)}: token positions come from "
+                f"{describe(node)}, computed from the token count; in a ragged batch they are not "
+                "0..T-1, so pass position ids as a graph input (HF: position_ids=)"
+            )
 
 
 def _check_uniform(sites: list[AttentionSite]) -> None:

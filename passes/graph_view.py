@@ -123,13 +123,19 @@ class GraphView:
         self._data = nx.subgraph_view(self.g, filter_edge=lambda u, v: not self.g.edges[u, v]["shape_only"])
         self._sources: dict[torch.fx.Node, frozenset[torch.fx.Node]] | None = None
 
-    def data_ancestors(self, nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
-        """``nodes`` and every node whose values reach one of them (shape-only reads cut the walk)."""
+    def data_ancestors(
+        self, nodes: Iterable[torch.fx.Node], cut: frozenset[tuple[torch.fx.Node, torch.fx.Node]] = frozenset()
+    ) -> set[torch.fx.Node]:
+        """``nodes`` and every node whose values reach one of them.
+
+        Shape-only reads and the ``cut`` edges ``(producer, user)`` stop the walk.
+        """
+        graph = self._data if not cut else nx.subgraph_view(self._data, filter_edge=lambda u, v: (u, v) not in cut)
         out: set[torch.fx.Node] = set()
         for node in nodes:
             if node not in out:
                 out.add(node)
-                out |= nx.ancestors(self._data, node)
+                out |= nx.ancestors(graph, node)
         return out
 
     def shape_sources(self, nodes: set[torch.fx.Node]) -> set[torch.fx.Node]:

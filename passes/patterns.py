@@ -47,6 +47,7 @@ REPEAT_INTERLEAVE = (frozenset({torch.repeat_interleave}), frozenset({"repeat_in
 EXPAND = (frozenset(), frozenset({"expand"}))
 UNSQUEEZE = (frozenset({torch.unsqueeze}), frozenset({"unsqueeze"}))
 RESHAPE = (frozenset({torch.reshape, torch.flatten}), frozenset({"reshape", "view", "flatten"}))
+ARANGE = (frozenset({torch.arange}), frozenset())
 LINEAR = (frozenset({F.linear, torch._C._nn.linear}), frozenset())
 
 

@@ -57,10 +57,10 @@ def capture(model: nn.Module, dynamic: bool = True, **kwargs) -> Captured:
     return Captured(model, *graphs[0])
 
 
-def hf_kwargs(T: int = 6, seed: int = 0) -> dict:
+def hf_kwargs(T: int = 6, seed: int = 0, device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, VOCAB, (1, T), generator=g),
-            "position_ids": torch.arange(T)[None], "use_cache": False}
+    return {"input_ids": torch.randint(0, VOCAB, (1, T), generator=g).to(device),
+            "position_ids": torch.arange(T, device=device)[None], "use_cache": False}
 
 
 def tiny_llama(attn: str = "sdpa", layers: int = 2) -> nn.Module:
@@ -211,21 +211,22 @@ class RaggedCache:
             self.total_pages = self.batch * pages_per_seq + 1
             physical = torch.randperm(self.total_pages - 1, generator=torch.Generator().manual_seed(1))
             # lookup: [batch, logical_page] -> physical_page
-            self.lookup = physical.view(self.batch, pages_per_seq).to(torch.int32)
+            self.lookup = physical.view(self.batch, pages_per_seq).to(torch.int32).to(p.device)
             shape = (self.total_pages, 2, p.num_layers, p.page_size, p.n_kv_heads, p.head_dim)
         else:
             # lookup: [batch] -> slot (reversed, so that sequence b is not in slot b)
-            self.lookup = torch.arange(self.batch - 1, -1, -1, dtype=torch.int32)
+            self.lookup = torch.arange(self.batch - 1, -1, -1, dtype=torch.int32, device=p.device)
             shape = (self.batch, 2, p.num_layers, self.max_len, p.n_kv_heads, p.head_dim)
-        self.blocks = torch.zeros(shape, dtype=p.dtype)
+        self.blocks = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
     def step_inputs(self, new: Sequence[int]) -> dict[str, torch.Tensor]:
         """The KV placeholders' values for one step adding ``new[b]`` tokens to sequence ``b``."""
-        offsets = torch.tensor([0, *new], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        device = self.params.device
+        offsets = torch.tensor([0, *new], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
         total = [c + n for c, n in zip(self.lengths, new, strict=True)]
         return {
             "kv_blocks": self.blocks,
-            "cache_lengths": torch.tensor(self.lengths, dtype=torch.int32),
+            "cache_lengths": torch.tensor(self.lengths, dtype=torch.int32, device=device),
             "lookup_table": self.lookup,
             "max_lengths": torch.tensor([[max(new), max(total)]], dtype=torch.int32),
             "input_row_offsets": offsets,
@@ -255,9 +256,10 @@ def run_step(
     """Run one ragged step: ``seqs[b]`` are the new tokens of sequence b; returns the graph's logits."""
     new = [len(s) for s in seqs]
     positions = [torch.arange(c, c + n) for c, n in zip(cache.lengths, new, strict=True)]
+    device = cache.params.device
     tensors = {
-        "input_ids": torch.tensor([t for s in seqs for t in s])[None],
-        "position_ids": torch.cat(positions)[None],
+        "input_ids": torch.tensor([t for s in seqs for t in s], device=device)[None],
+        "position_ids": torch.cat(positions).to(device)[None],
         **cache.step_inputs(new),
     }
     with torch.no_grad():
@@ -268,8 +270,9 @@ def run_step(
 
 def eager_last_logits(model: nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     """The model's own logits for the last of ``tokens`` (one sequence, positions from 0)."""
-    ids = torch.tensor(tokens)[None]
-    kwargs = {"input_ids": ids, "position_ids": torch.arange(len(tokens))[None]}
+    device = next(model.parameters()).device
+    ids = torch.tensor(tokens, device=device)[None]
+    kwargs = {"input_ids": ids, "position_ids": torch.arange(len(tokens), device=device)[None]}
     if isinstance(model, transformers.PreTrainedModel):
         kwargs["use_cache"] = False
     with torch.no_grad():

@@ -19,6 +19,7 @@ from lowering_helpers import (
     hf_kwargs,
     model_kwargs,
     run_step,
+    tiny_llama,
     tiny_qwen2,
 )
 
@@ -225,3 +226,13 @@ def test_static_capture_of_a_larger_buffer_is_refused():
     cap = capture(NanoGPT(), dynamic=False, **model_kwargs(7))
     with pytest.raises(LoweringError, match="captured for exactly 7 tokens.*size 32.*dynamic=True"):
         find_attention.run(cap.fresh(), cap.example_inputs)
+
+
+def test_positions_computed_inside_the_graph_are_refused():
+    """Without position_ids, HF computes arange(T) positions in the graph: wrong for a ragged step."""
+    kwargs = hf_kwargs()
+    del kwargs["position_ids"]
+    gm = capture(tiny_llama("sdpa"), **kwargs).fresh()
+    with pytest.raises(LoweringError, match=r"token positions come from node 'arange' .*modeling_llama.py:\d+: "
+                                            r"position_ids = torch.arange"):
+        find_attention.run(gm)

@@ -53,6 +53,26 @@ def test_ragged_prefill_then_decode_matches_eager(model, strategy, request):
             torch.testing.assert_close(logits[0, b], eager_last_logits(cap.model, s), atol=ATOL, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+def test_cuda_graph_lowers_onto_a_cuda_cache(strategy):
+    """On CUDA the op runs the Triton kernels: ragged prefill and a decode step against eager."""
+    model = tiny_llama("sdpa").cuda()
+    cap = capture(model, **hf_kwargs(device="cuda"))
+    gm = cap.fresh()
+    result = lower(gm, cache_strategy=strategy, page_size=4)
+    assert result.params.device.type == "cuda"
+    cache = RaggedCache(result.params, batch=2)
+    seqs = prompts(6, 3)
+    for step in (seqs, [[7], [9]]):
+        if step is not seqs:
+            for s, new in zip(seqs, step, strict=True):
+                s.extend(new)
+        logits = run_step(gm, cap, cache, step)
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_single_sequence_prefill_matches_eager(model, request):
     cap = request.getfixturevalue(model)
@@ -79,6 +99,21 @@ def test_lowered_graph_has_one_op_per_layer_and_no_attention_left(model, request
     assert result.lowered and result.reason is None and result.logits_pruned
     assert result.params.num_layers == 2
     assert set(result.timings) == set(PASSES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_gets_a_half_precision_cache(dtype):
+    model = tiny_llama("sdpa").to(dtype)
+    cap = capture(model, **hf_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    assert result.params.dtype == dtype and gm.graph.find_nodes(
+        op="placeholder", target="kv_blocks")[0].meta["val"].dtype == dtype
+    seqs = prompts(5, 3)
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
+    assert logits.dtype == dtype
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-2, rtol=0)
 
 
 def test_params_inferred_from_llama_gqa(llama_sdpa):
