@@ -14,8 +14,22 @@
 
 The layout is the manager's when there is one; by name it comes from the binding of the
 call that compiles, and each further layout met at call time gets its own lowering,
-cached per layout. Counters: ``torch._dynamo.utils.counters["kvgraph"]`` counts
-``"graphs"`` (graphs received) and ``"lowerings"`` (graphs lowered and compiled).
+cached per layout. The model must compile to one graph (``kvgraph.compile`` passes
+``fullgraph=True``): layer indices are counted per graph.
+
+Recompiles: ``kvgraph.compile`` marks the token axis dynamic, so after a warm-up of one
+step with ``T > 1`` and one with ``T == 1`` (Dynamo specialises sizes 0 and 1) no token
+count or batch size recompiles; the batch size never reaches Dynamo (it only sizes the
+bound KV tensors, which the inner graph takes with symbolic sizes). By name, pass
+``dynamic=True`` or expect one automatic-dynamic recompile at the second token count.
+Counters: ``torch._dynamo.utils.counters["kvgraph"]`` counts ``"graphs"`` (graphs
+received) and ``"lowerings"`` (graphs lowered and compiled).
+
+The cache is written in place under Inductor too: the op declares ``mutates_args=
+("kv_blocks",)``, AOTAutograd functionalises each call (``auto_functionalized``) and
+Inductor's re-inplacing pass turns the chain back into in-place calls on the ``kv_blocks``
+graph input, as nothing else reads the old cache. The generated code hands that input
+buffer to every layer's op and allocates nothing of the cache's size.
 """
 
 from __future__ import annotations
@@ -25,17 +39,22 @@ import copy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
+from torch._dynamo.exc import exceptions_allowed_to_be_fallback
 from torch._dynamo.utils import counters
 from torch._guards import TracingContext, detect_fake_mode, tracing
 
-from kvgraph.errors import BindingError, KVCacheError, LoweringError
+from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
 from kvgraph.hf import refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.managers.base import KVCacheManager
 from kvgraph.params import KVCacheParams
 from kvgraph.runtime import CacheLayout, check_fit, current_binding, require_binding
+
+if TYPE_CHECKING:
+    from kvgraph.passes.pipeline import LoweringResult
 
 InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
 OPTIONS = ("inner", "prune_logits", "dump")
@@ -61,14 +80,25 @@ class BackendOptions:
     prune_logits: bool = True
     dump: Callable[[str, torch.fx.GraphModule], None] | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if self.inner not in known or self.inner == "kvgraph":
+                raise InvalidParamsError(
+                    f"inner compiler {self.inner!r} is not a Dynamo backend other than kvgraph "
+                    f"(see torch._dynamo.list_backends()), e.g. 'inductor' or 'eager'"
+                )
+        elif not callable(self.inner):
+            raise InvalidParamsError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
+
 
 @dataclass
 class LoweredGraph:
     """One graph lowered for one layout and compiled by the inner compiler."""
 
     fn: Callable
-    result: object
-    """The ``LoweringResult`` (lowered graph, inferred params, sites, timings)."""
+    result: LoweringResult
+    """The lowered graph, the params it reads, its attention sites, the passes' timings."""
     params: KVCacheParams
     kv_placeholders: list[str] = field(default_factory=list)
 
@@ -90,12 +120,9 @@ class GraphRunner:
         self.options = options
         self.layouts: dict[CacheLayout, LoweredGraph] = {}
         self.graph_device = _graph_device(gm)
+        self.fixed_layout = CacheLayout.of(options.params) if options.params is not None else None
+        """The manager's layout, or ``None``: each call's binding chooses."""
         self._lock = threading.Lock()
-
-    @property
-    def fixed_layout(self) -> CacheLayout | None:
-        params = self.options.params
-        return CacheLayout.of(params) if params is not None else None
 
     def lowered(self, layout: CacheLayout, example_inputs: Sequence) -> LoweredGraph:
         """The graph lowered and compiled for ``layout`` (lowering it on first use).
@@ -131,8 +158,13 @@ class GraphRunner:
         for node in gm.graph.find_nodes(op="placeholder"):
             if node.name in names and not hasattr(node, "_dynamo_source"):
                 node._dynamo_source = None  # not a Dynamo input: the runner passes it
-        examples = [_example_value(node) for node in gm.graph.find_nodes(op="placeholder")]
-        fn = _compile_inner(self.options.inner, gm, examples)
+        try:
+            fn = _compile_inner(self.options.inner, gm, example_inputs)
+        except exceptions_allowed_to_be_fallback as e:
+            # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
+            raise LoweringError(
+                f"the inner compiler {self.options.inner!r} failed on the lowered graph: {type(e).__name__}: {e}"
+            ) from e
         counters["kvgraph"]["lowerings"] += 1
         params = self.options.params or result.params
         return LoweredGraph(fn=fn, result=result, params=params, kv_placeholders=names)
@@ -184,7 +216,7 @@ def kvgraph_backend(
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise BindingError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
+        raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
     return KVGraphBackend(BackendOptions(**options))(gm, example_inputs)
 
 
@@ -220,18 +252,22 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:
     return None
 
 
-def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, examples: list) -> Callable:
-    """Compile the lowered graph with the inner backend, inside a tracing context over the graph's fake mode.
+def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+    """Compile the lowered graph with the inner backend.
 
-    Under Dynamo (the first compile) its own tracing context is active; a layout lowered
-    later, at call time, gets a fresh context over the same fake mode and shape environment.
+    Inside Dynamo's backend call (the first compile) the inner backend gets what Dynamo gave
+    kvgraph, ``example_inputs`` (real tensors that Dynamo fakeified, with their symbolic
+    contexts), followed by the KV placeholders' fake tensors. A layout lowered later, at call
+    time, gets the fake tensors of every placeholder and a fresh tracing context over their
+    fake mode and shape environment.
     """
     compiler = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+    fakes = [_example_value(node) for node in gm.graph.find_nodes(op="placeholder")]
     if TracingContext.try_get() is not None:
-        return compiler(gm, examples)
-    fake_mode = detect_fake_mode(examples)
+        return compiler(gm, [*example_inputs, *fakes[len(example_inputs):]])
+    fake_mode = detect_fake_mode(fakes)
     with tracing(TracingContext(fake_mode)), _dynamic_floats_specialized(fake_mode.shape_env):
-        return compiler(gm, examples)
+        return compiler(gm, fakes)
 
 
 @contextlib.contextmanager
@@ -266,7 +302,7 @@ class CompiledModel:
         manager: the manager the graphs were lowered for, or ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: KVGraphBackend, manager: object | None) -> None:
+    def __init__(self, model: torch.nn.Module, backend: KVGraphBackend, manager: KVCacheManager | None) -> None:
         self.model = model
         self.backend = backend
         self.manager = manager

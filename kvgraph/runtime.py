@@ -27,6 +27,7 @@ from kvgraph.errors import BindingError, CacheInputError
 from kvgraph.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
 from kvgraph.managers.base import INDEX_DTYPE, ragged_input_symbols
 from kvgraph.params import KVCacheParams, KVCacheStrategy
+from kvgraph.symbols import TensorType
 
 KV_PLACEHOLDERS = ("kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets")
 """Names (and order) of the graph inputs a lowered graph takes after the model's own."""
@@ -203,11 +204,10 @@ def check_fit(binding: Binding, params: KVCacheParams, graph_device: torch.devic
     ):
         where = f" (model tensors on {graph_device})" if graph_device is not None else ""
         raise BindingError(f"the bound KV cache is {have}, but the graph was compiled for {need}{where}")
-    symbols = _input_symbols(params)
     sizes: dict[str, int] = {}
     try:
-        for name, tensor_type in symbols.items():
-            tensor = binding.kv_inputs.blocks if name == "kv_blocks" else getattr(binding.kv_inputs, name)
+        # symbols and tensors both in MAX order: blocks, cache_lengths, lookup_table, max_lengths
+        for (name, tensor_type), tensor in zip(_input_types(params), binding.kv_inputs, strict=True):
             tensor_type.check(tensor, name, sizes)
     except CacheInputError as e:
         raise BindingError(
@@ -219,8 +219,8 @@ def check_fit(binding: Binding, params: KVCacheParams, graph_device: torch.devic
 
 
 @functools.lru_cache(maxsize=64)
-def _input_symbols(params: KVCacheParams):
-    return ragged_input_symbols(params)
+def _input_types(params: KVCacheParams) -> tuple[tuple[str, TensorType], ...]:
+    return tuple(ragged_input_symbols(params).items())
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvgraph
 from kvgraph import (
     BindingError,
+    InvalidParamsError,
     KVCacheParams,
     KVRequest,
     LoweringError,
@@ -169,7 +170,8 @@ def test_by_name_with_inductor_writes_the_cache_in_place_without_copying_it(mode
     # ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, ..)
     calls = re.findall(r"ragged_attention\.default\(.*, (arg\d+_1), arg\d+_1, arg\d+_1, arg\d+_1, arg\d+_1, (\d+)", code)
     assert sorted(int(layer) for _, layer in calls) == list(range(LAYERS))
-    assert len({cache for cache, _ in calls}) == 1
+    (cache,) = {cache for cache, _ in calls}
+    assert not [line for line in code.splitlines() if cache in line and ("copy" in line or "clone" in line)]
     assert not re.search(r"empty_strided\w*\(\((\w+, ){5}\w+\)", code), "a buffer of the cache's rank was allocated"
 
 
@@ -321,3 +323,9 @@ def test_unknown_backend_options_are_refused(model):
     ids, pos, _ = prepare_step([[1, 2]], [0])
     with pytest.raises(Exception, match=r"unknown kvgraph backend options \['page_size'\]"):
         compiled(ids, pos)
+
+
+@pytest.mark.parametrize("inner", ["no_such_backend", "kvgraph", 3])
+def test_compile_refuses_an_unknown_inner_compiler(model, inner):
+    with pytest.raises(InvalidParamsError, match="inner"):
+        kvgraph.compile(model, inner=inner)
