@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from kvgraph.passes import LoweringPipeline
-from kvgraph.passes.graph_view import copy_graph
+from kvgraph.passes.graph_view import copy_module
 from kvgraph.passes.pipeline import PASSES
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     pipeline = LoweringPipeline(cache_strategy=args.strategy)
     totals, per_pass = [], {name: [] for name in PASSES}
     for _ in range(args.runs):
-        fresh = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+        fresh = copy_module(gm)
         start = time.perf_counter()
         result = pipeline(fresh)
         totals.append(time.perf_counter() - start)

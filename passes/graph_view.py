@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import networkx as nx
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import _get_qualified_name
 
 _SHAPE_METHODS = frozenset({"size", "dim", "stride", "numel", "get_device", "ndimension", "nelement"})
@@ -108,19 +109,31 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copied
 
 
+def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` over a copy of its graph; Dynamo's lazy GraphModules stay lazy (no code generation)."""
+    cls = _LazyGraphModule if isinstance(gm, _LazyGraphModule) else torch.fx.GraphModule
+    copied = cls(gm, copy_graph(gm.graph))
+    copied.meta = dict(gm.meta)
+    return copied
+
+
 class GraphView:
     """A ``networkx.DiGraph`` over the nodes of ``gm.graph`` (edges carry ``shape_only``)."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
-        self.g = nx.DiGraph()
+        self.g = nx.DiGraph()  # every use, edges carry shape_only
+        self.data = nx.DiGraph()  # the uses that read values
         self.order: dict[torch.fx.Node, int] = {}
         for i, node in enumerate(gm.graph.nodes):
             self.order[node] = i
             self.g.add_node(node)
+            self.data.add_node(node)
             for producer in node.all_input_nodes:
-                self.g.add_edge(producer, node, shape_only=is_shape_read(node, producer))
-        self._data = nx.subgraph_view(self.g, filter_edge=lambda u, v: not self.g.edges[u, v]["shape_only"])
+                shape_only = is_shape_read(node, producer)
+                self.g.add_edge(producer, node, shape_only=shape_only)
+                if not shape_only:
+                    self.data.add_edge(producer, node)
         self._sources: dict[torch.fx.Node, frozenset[torch.fx.Node]] | None = None
 
     def data_ancestors(
@@ -130,12 +143,13 @@ class GraphView:
 
         Shape-only reads and the ``cut`` edges ``(producer, user)`` stop the walk.
         """
-        graph = self._data if not cut else nx.subgraph_view(self._data, filter_edge=lambda u, v: (u, v) not in cut)
         out: set[torch.fx.Node] = set()
-        for node in nodes:
+        stack = list(nodes)
+        while stack:
+            node = stack.pop()
             if node not in out:
                 out.add(node)
-                out |= nx.ancestors(graph, node)
+                stack.extend(p for p in self.data.predecessors(node) if (p, node) not in cut)
         return out
 
     def shape_sources(self, nodes: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -170,7 +184,7 @@ class GraphView:
                     self._sources[n] = frozenset((n,))
                     continue
                 srcs: frozenset[torch.fx.Node] = frozenset()
-                for p in self._data.predecessors(n):
+                for p in self.data.predecessors(n):
                     srcs |= self._sources[p]
                 self._sources[n] = srcs
         return self._sources[node]

@@ -24,7 +24,7 @@ from kvgraph.errors import LoweringError
 from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite
-from kvgraph.passes.graph_view import copy_graph
+from kvgraph.passes.graph_view import copy_module
 from kvgraph.passes.log import log_pass, logger
 from kvgraph.symbols import RaggedKVCacheInputSymbols
 
@@ -80,7 +80,7 @@ class LoweringPipeline:
         self._dump("captured", gm)
         # The passes edit a copy: the captured Graph object is never touched (Dynamo still reads
         # it after its backend returns), and a refusal leaves ``gm`` exactly as it was.
-        work = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+        work = copy_module(gm)
         try:
             result = self._run(work, timings)
         except Exception as exc:

@@ -22,7 +22,7 @@ import transformers
 
 import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
 from kvgraph.params import KVCacheParams
-from kvgraph.passes.graph_view import copy_graph, placeholder_kind
+from kvgraph.passes.graph_view import copy_module, placeholder_kind
 
 VOCAB = 128
 
@@ -37,9 +37,7 @@ class Captured:
 
     def fresh(self) -> torch.fx.GraphModule:
         """An independent copy of the graph (lowering modifies graphs in place)."""
-        gm = torch.fx.GraphModule(self.gm, copy_graph(self.gm.graph))
-        gm.meta = dict(self.gm.meta)
-        return gm
+        return copy_module(self.gm)
 
 
 def capture(model: nn.Module, dynamic: bool = True, **kwargs) -> Captured:
