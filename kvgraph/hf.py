@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,12 +10,6 @@ import torch
 import torch.fx
 
 from kvgraph.errors import LoweringError
-
-
-def is_hf_model(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers.PreTrainedModel`` (without importing transformers)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def takes_use_cache(model: torch.nn.Module) -> bool:
