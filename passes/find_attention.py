@@ -122,7 +122,7 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     """
     start = time.perf_counter()
     view = GraphView(gm)
-    matches = [m for node in gm.graph.nodes if (m := _match(view, node)) is not None]
+    matches = [m for node in gm.graph.nodes if (m := _match(node)) is not None]
     if not matches:
         raise LoweringError("no attention site found in the graph: nothing to lower")
     token_count = P.shape(matches[0].q)[2] if len(P.shape(matches[0].q) or ()) == 4 else None
@@ -143,11 +143,11 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
 
 
 # -- matching --
-def _match(view: GraphView, node: Node) -> _Match | None:
+def _match(node: Node) -> _Match | None:
     if P.is_sdpa(node):
         return _match_sdpa(node)
     if P.is_last_dim_softmax(node) and P.is_token_square(node.args[0]):
-        return _match_explicit(view, node)
+        return _match_explicit(node)
     if P.is_attention_target(node):
         raise LoweringError(f"cannot lower attention {describe(node)}: unsupported attention op")
     return None
@@ -186,7 +186,7 @@ def _match_sdpa(node: Node) -> _Match:
                   "is_causal=True" if is_causal else "", bool(a["enable_gqa"]), frozenset((node,)))
 
 
-def _match_explicit(view: GraphView, softmax: Node) -> _Match:
+def _match_explicit(softmax: Node) -> _Match:
     steps = _score_chain(softmax.args[0])
     if steps is None:
         raise LoweringError(
@@ -194,6 +194,13 @@ def _match_explicit(view: GraphView, softmax: Node) -> _Match:
             "come from matmul(q, k.transpose(-2, -1)) through scales and masks"
         )
     qk, chain = steps
+    for node in (qk, *(n for n, _ in chain)):
+        if len(node.users) != 1:
+            names = ", ".join(u.name for u in node.users)
+            raise LoweringError(
+                f"cannot lower attention {describe(softmax)}: the attention scores '{node.name}' are also used "
+                f"by {names}"
+            )
     q, k = qk.args[0], P.strip_transpose_last2(qk.args[1])
     scale, factors, effects = 1.0, [], []
     for node, pos in chain:

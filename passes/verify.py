@@ -15,6 +15,7 @@ A failure raises ``LoweringError`` listing every problem.
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -28,12 +29,35 @@ from kvgraph.passes.graph_view import describe
 from kvgraph.passes.log import log_pass
 from kvgraph.passes.lower_attention import ragged_attention_op
 
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift,
+})
+
+
+def has_side_effects(node: torch.fx.Node) -> bool:
+    """What DCE must keep: torch.fx's impure nodes, and in-place tensor ops (``x.add_(y)``,
+    ``x += y``), whose unused results do not make them dead in a Dynamo graph."""
+    if node.is_impure():
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    name = getattr(node.target, "__name__", "")  # torch.relu_, torch.Tensor.add_ (not operator.and_)
+    return name.endswith("_") and not name.startswith("_") and getattr(node.target, "__module__", "") != "_operator"
+
 
 def dce(gm: torch.fx.GraphModule) -> int:
-    """Remove nodes without users (placeholders and impure calls stay); returns how many."""
+    """Remove nodes without users (placeholders and side effects stay); returns how many."""
     start = time.perf_counter()
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=has_side_effects)
     removed = before - len(gm.graph.nodes)
     log_pass("dce", start, f"removed {removed} nodes, {len(gm.graph.nodes)} left")
     return removed

@@ -236,3 +236,14 @@ def test_positions_computed_inside_the_graph_are_refused():
     with pytest.raises(LoweringError, match=r"token positions come from node 'arange' .*modeling_llama.py:\d+: "
                                             r"position_ids = torch.arange"):
         find_attention.run(gm)
+
+
+def scores_used_twice(q, k, v):
+    scores = (q @ repeat_kv(k, 2).transpose(-2, -1)).masked_fill(~causal_bool(q.shape[2]), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ repeat_kv(v, 2) + scores.amax(-1, keepdim=True)
+
+
+def test_scores_used_outside_attention_are_refused():
+    gm = capture(TinyDecoder(scores_used_twice), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="the attention scores 'scores' are also used by softmax, amax"):
+        find_attention.run(gm)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lowering_helpers import count_calls
+import torch.nn.functional as F
+from lowering_helpers import (
+    RaggedCache,
+    TinyDecoder,
+    capture,
+    count_calls,
+    eager_last_logits,
+    model_kwargs,
+    run_step,
+)
 
 from kvgraph.errors import LoweringError
 from kvgraph.params import KVCacheParams
-from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, verify
+from kvgraph.passes import add_kv_inputs, find_attention, lower, lower_attention, verify
 from kvgraph.passes.add_kv_inputs import graph_fake_mode
 from kvgraph.passes.graph_view import placeholder_kind
 
@@ -73,3 +82,40 @@ def test_softmax_over_tokens_left_fails_verification(llama_eager):
         weights.meta["example_value"] = torch.softmax(scores.meta["example_value"], -1)
     with pytest.raises(LoweringError, match="un-lowered softmax over tokens node 'softmax"):
         verify.run(gm, analysis, kv)
+
+
+class InPlace(TinyDecoder):
+    """Mutates hidden states in place with an unused result: DCE must keep it."""
+
+    def features(self, input_ids, position_ids):
+        x = super().features(input_ids, position_ids)
+        x.mul_(2.0)
+        return x
+
+
+def test_dce_keeps_in_place_ops():
+    model = InPlace(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    cap = capture(model, **model_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method" and n.target == "mul_"] == ["mul_"]
+    seqs = [[1, 2, 3], [4, 5]]
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+
+
+def in_place_ops(x):
+    y = x * 2
+    y += 1
+    z = y * 3
+    z.add_(1)
+    torch.relu_(z)
+    return (y > 0) & (z > 0), y, z
+
+
+def test_side_effects_are_in_place_ops():
+    gm = capture(in_place_ops, x=torch.randn(3)).gm
+    effects = {n.name: verify.has_side_effects(n) for n in gm.graph.nodes if n.op.startswith("call")}
+    assert effects == {"y": False, "y_1": True, "z": False, "add_": True, "relu_": True,
+                       "gt": False, "gt_1": False, "and_": False}
