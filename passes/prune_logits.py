@@ -7,8 +7,9 @@ last new token is sampled, so the linear gets ``x.index_select(1, input_row_offs
 prompt token onto the vocabulary.
 
 A graph that already keeps only the last token (``x[:, -1:]``, ``x[:, [-1]]``, as nanoGPT
-and ``logits_to_keep=1`` do) would return one row for the whole flattened batch; that slice is
-replaced the same way, and refused if pruning is disabled.
+and ``logits_to_keep=1`` do, or ``x[:, -1]``) would return one row for the whole flattened
+batch; that slice is replaced the same way (``x[:, -1]`` then gives ``[batch, V]``), and
+refused if pruning is disabled.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class LogitsSite:
 
     linear: Node  # linear(x, W[, b]) -> [1, T or 1, V]
     hidden: Node  # x0: the per-token hidden states [1, T, C]
-    last_token_slice: Node | None  # x = x0[:, -1:] when the graph keeps only the last token
+    last_token_slice: Node | None  # x = x0[:, -1:] (or x0[:, -1]) when the graph keeps only the last token
     chain: list[Node]  # nodes from the linear to the output, in order
+    drops_token_dim: bool = False  # x0[:, -1]: the logits are [1, V], pruned to [batch, V]
 
 
 def find_logits(gm: torch.fx.GraphModule, token_count: int | torch.SymInt) -> list[LogitsSite]:
@@ -51,11 +53,11 @@ def find_logits(gm: torch.fx.GraphModule, token_count: int | torch.SymInt) -> li
             continue
         linear = chain[0]
         x = linear.args[0]
-        last = x if _is_last_token_slice(x, token_count) else None
-        hidden = x.args[0] if last is not None else x
+        kind = _last_token_slice(x, token_count)
+        hidden = x.args[0] if kind is not None else x
         s = P.shape(hidden)
         if s and len(s) == 3 and s[0] == 1 and P.same_size(s[1], token_count):
-            found.append(LogitsSite(linear, hidden, last, chain))
+            found.append(LogitsSite(linear, hidden, x if kind else None, chain, kind == "drop"))
     return found
 
 
@@ -84,9 +86,12 @@ def run(
         with graph.inserting_before(site.linear):
             tail = graph.call_function(operator.getitem, (input_row_offsets, slice(1, None)))
             last = graph.call_function(operator.sub, (tail, 1))
-            rows = graph.call_function(torch.index_select, (site.hidden, 1, last))
-        site.linear.replace_input_with(site.linear.args[0], rows)
-        for node in (tail, last, rows, *site.chain):
+            rows = graph.call_function(torch.index_select, (site.hidden, 1, last))  # [1, batch, C]
+            new = [tail, last, rows]
+            if site.drops_token_dim:
+                new.append(graph.call_function(operator.getitem, (rows, 0)))  # [batch, C]
+        site.linear.replace_input_with(site.linear.args[0], new[-1])
+        for node in (*new, *site.chain):
             _refresh(node, fake_mode)
     names = ", ".join(f"{s.linear.name} {tuple(meta_value(s.chain[-1]).shape)}" for s in sites)
     log_pass("prune_logits", start, f"pruned {names}" if sites else "no final linear on the outputs")
@@ -119,19 +124,22 @@ def _chain_to_linear(out: Node, output: Node) -> list[Node] | None:
     return chain
 
 
-def _is_last_token_slice(x: object, token_count: int | torch.SymInt) -> bool:
-    """``x0[:, -1:]`` / ``x0[:, [-1]]`` (with trailing full slices) of ``x0 [1, T, C]``."""
+def _last_token_slice(x: object, token_count: int | torch.SymInt) -> str | None:
+    """``"keep"`` for ``x0[:, -1:]`` / ``x0[:, [-1]]``, ``"drop"`` for ``x0[:, -1]`` (trailing full
+    slices allowed) of ``x0 [1, T, C]``; else None."""
     if not (isinstance(x, Node) and x.op == "call_function" and x.target is operator.getitem):
-        return False
+        return None
     x0, idx = x.args
     full = slice(None, None, None)
     if not (isinstance(idx, tuple) and len(idx) >= 2 and idx[0] == full):
-        return False
-    if not (idx[1] == slice(-1, None, None) or idx[1] == [-1]):
-        return False
+        return None
     s = P.shape(x0)
-    return all(i == full or i is Ellipsis for i in idx[2:]) and bool(s) and len(s) == 3 \
-        and P.same_size(s[1], token_count)
+    if not (all(i == full or i is Ellipsis for i in idx[2:]) and s and len(s) == 3
+            and P.same_size(s[1], token_count)):
+        return None
+    if idx[1] == slice(-1, None, None) or idx[1] == [-1]:
+        return "keep"
+    return "drop" if idx[1] == -1 else None
 
 
 def _refresh(node: Node, fake_mode) -> None:

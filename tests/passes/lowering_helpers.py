@@ -274,7 +274,8 @@ def eager_last_logits(model: nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     if isinstance(model, transformers.PreTrainedModel):
         kwargs["use_cache"] = False
     with torch.no_grad():
-        return logits_of(model(**kwargs))[0, -1]
+        logits = logits_of(model(**kwargs))  # [1, T, V], or [1, V] for a model that keeps the last token
+    return logits[0, -1] if logits.dim() == 3 else logits[-1]
 
 
 def lowered_ops(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

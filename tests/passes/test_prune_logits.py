@@ -26,8 +26,9 @@ def causal(q, k, v):
 
 
 class Variant(TinyDecoder):
-    """TinyDecoder whose output is post-processed: ``last`` keeps only the last token (nanoGPT's
-    inference path), ``softcap`` caps the logits with tanh, ``hidden`` returns hidden states."""
+    """TinyDecoder whose output is post-processed: ``last*`` keep only the last token (nanoGPT's
+    inference path, HF's ``logits_to_keep=1``, an index), ``softcap`` caps the logits with tanh,
+    ``hidden`` returns hidden states."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(causal)
@@ -37,6 +38,10 @@ class Variant(TinyDecoder):
         x = self.features(input_ids, position_ids)  # [1, T, C]
         if self.kind == "last":
             return self.head(x[:, [-1], :])
+        if self.kind == "last_slice":
+            return self.head(x[:, -1:])
+        if self.kind == "last_index":
+            return self.head(x[:, -1, :])  # [1, V]
         if self.kind == "softcap":
             return torch.tanh(self.head(x) / 30.0) * 30.0
         return x
@@ -53,7 +58,7 @@ def test_hf_logits_become_one_row_per_sequence(llama_sdpa):
     assert count_calls(gm, "index_select") == 1
 
 
-@pytest.mark.parametrize("kind", ["last", "softcap"])
+@pytest.mark.parametrize("kind", ["last", "last_slice", "last_index", "softcap"])
 def test_pruned_variants_match_eager_per_sequence(kind):
     model = Variant(kind)
     cap = capture(model, **model_kwargs())
@@ -62,6 +67,7 @@ def test_pruned_variants_match_eager_per_sequence(kind):
     assert result.logits_pruned
     seqs = [[3, 5, 7], [11, 13], [17, 19, 23, 29]]
     logits = run_step(gm, cap, RaggedCache(result.params, batch=3), seqs)
+    logits = logits[None] if kind == "last_index" else logits  # x[:, -1] gives [batch, V]
     assert logits.shape == (1, 3, VOCAB)
     for b, s in enumerate(seqs):
         torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
