@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -25,7 +25,7 @@ import torch.fx
 from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.causal_mask import MaskEffect, MaskProver
-from kvgraph.passes.graph_view import GraphView, describe, meta_value, source_location
+from kvgraph.passes.graph_view import GraphView, describe, meta_value
 from kvgraph.passes.log import log_pass
 
 Node = torch.fx.Node
@@ -58,10 +58,6 @@ class AttentionSite:
     body: frozenset[Node]  # the nodes of the pattern itself
     layer_idx: int = -1
 
-    @property
-    def location(self) -> str:
-        return source_location(self.node)
-
     def __repr__(self) -> str:
         return (f"AttentionSite(layer {self.layer_idx}: {self.kind} '{self.node.name}', Hq={self.n_heads}, "
                 f"Hkv={self.n_kv_heads}, D={self.head_dim}, {self.dtype}, scale={self.scale}, {self.mask})")
@@ -74,7 +70,6 @@ class AttentionAnalysis:
     sites: list[AttentionSite]
     token_count: int | torch.SymInt  # T of every site (the graph's number of new tokens)
     mask_nodes: frozenset[Node]  # nodes that only build masks: they die with the sites
-    view: GraphView = field(repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -134,7 +129,7 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     _check_positions_are_inputs(view, sites, matches, token_count)
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
     dead = view.only_feeding(mask_nodes, set().union(*(s.body for s in sites)))
-    analysis = AttentionAnalysis(sites, token_count, frozenset(dead), view)
+    analysis = AttentionAnalysis(sites, token_count, frozenset(dead))
     kinds = ", ".join(sorted({f"{s.kind}" + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
     log_pass("find_attention", start,
              f"{len(sites)} sites ({kinds}), Hkv={analysis.n_kv_heads}, D={analysis.head_dim}, "

@@ -9,7 +9,6 @@ nodes' fake values and live here, beside the patterns.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,19 +153,6 @@ def strip_transpose_last2(node: Any) -> Node | None:
         dims = tuple(dims) if isinstance(dims, (tuple, list)) else ()
         return src if tuple(d % rank for d in dims if isinstance(d, int)) == (0, 1, 3, 2) else None
     return None
-
-
-def follow(node: Node, step: Callable[[Node], Node | None]) -> Node:
-    """Apply ``step`` while it returns a node: walks a chain of passthrough ops."""
-    nxt = step(node)
-    while nxt is not None:
-        node, nxt = nxt, step(nxt)
-    return node
-
-
-def cast_input(node: Node) -> Node | None:
-    """x for a value-preserving conversion ``x.to(dtype)`` / ``x.float()`` / ``x.contiguous()``."""
-    return node.args[0] if is_call(node, CASTS) and isinstance(node.args[0], Node) else None
 
 
 def sole_user(node: Node) -> Node | None:
