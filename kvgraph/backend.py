@@ -46,6 +46,7 @@ import torch.fx
 from torch._dynamo.exc import exceptions_allowed_to_be_fallback
 from torch._dynamo.utils import counters
 from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
 from kvgraph.hf import refuse_own_cache, takes_use_cache, without_hf_cache
@@ -232,7 +233,7 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
-    out = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    out = _LazyGraphModule(gm, graph, class_name=type(gm).__name__)  # code generated on first use
     out.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         out._param_name_to_source = gm._param_name_to_source
