@@ -132,10 +132,14 @@ class MaskProver:
         subgraph (a window of ``w`` tokens shows at ``w + 1``), and every dimension of the
         constants it reads (a causal buffer is checked whole)."""
         literals = {c for n in nodes if n.op.startswith("call") for c in _int_literals(n)}
-        dims = {d for leaf in leaves if placeholder_kind(leaf) == "constant" for d in self._constant(leaf).shape}
+        constants = {leaf: self._constant(leaf) for leaf in leaves if placeholder_kind(leaf) == "constant"}
+        dims = {d for value in constants.values() for d in value.shape}
         if isinstance(self.token_count, int):
+            # A static graph is evaluated at its one token count; what its mask would do beyond
+            # it is known only for causal tables (nanoGPT's tril buffer, sliced [:T, :T]).
             T = self.token_count
-            beyond = sorted(c for c in literals | dims if c > T)
+            beyond = sorted(c for c in literals if c > T) + sorted(
+                max(v.shape) for v in constants.values() if max(v.shape, default=0) > T and not is_causal_table(v))
             if beyond:
                 raise LoweringError(
                     f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
@@ -263,6 +267,20 @@ def _int_literals(node: Node) -> set[int]:
     map_aggregate(node.args, visit)
     map_aggregate(node.kwargs, visit)
     return {c for c in found if c < UNBOUNDED}
+
+
+def is_causal_table(table: torch.Tensor) -> bool:
+    """Whether ``table`` ``[..., N, N]`` is a causal mask over N positions: ``tril`` as bools or
+    0/1, or additive (0 on and below the diagonal, ``<= MASKED`` above), in every leading slice."""
+    if table.dim() < 2 or table.shape[-1] != table.shape[-2]:
+        return False
+    n = table.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=table.device).tril()
+    z = table.reshape(-1, n, n)
+    if z.dtype == torch.bool or bool(((z == 0) | (z == 1)).all()):
+        return bool((z.bool() == lower).all())
+    z = z.double()
+    return bool((z[:, lower] == 0).all() and (z[:, ~lower] <= MASKED).all())
 
 
 def _causal_violation(scores: torch.Tensor, T: int) -> str | None:

@@ -10,7 +10,7 @@ from lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention
-from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS
+from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, is_causal_table
 
 
 def windowed(window: int):
@@ -92,3 +92,16 @@ def test_constant_buffers_read_through_get_attr_need_no_example_inputs(nanogpt):
             node.replace_all_uses_with(attr)
     analysis = find_attention.run(gm)
     assert [s.mask for s in analysis.sites] == ["mask proven causal at 5 token counts up to 32"] * 2
+
+
+@pytest.mark.parametrize(("table", "causal"), [
+    (torch.ones(5, 5, dtype=torch.bool).tril(), True),
+    (torch.ones(1, 1, 5, 5).tril(), True),
+    (torch.full((5, 5), float("-inf")).triu(1), True),
+    (torch.full((5, 5), torch.finfo(torch.float16).min, dtype=torch.float16).triu(1), True),
+    (torch.ones(5, 5).tril() * torch.ones(5, 5).triu(-2), False),  # a window of 3
+    (torch.ones(5, 5).tril().T, False),
+    (torch.ones(4, 5).tril(), False),
+], ids=["bool", "float01", "additive", "additive_fp16", "banded", "upper", "non_square"])
+def test_causal_tables(table, causal):
+    assert is_causal_table(table) == causal

@@ -222,10 +222,29 @@ def test_static_capture_lowers_for_its_token_count():
         torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
 
 
-def test_static_capture_of_a_larger_buffer_is_refused():
-    cap = capture(NanoGPT(), dynamic=False, **model_kwargs(7))
+def test_static_capture_of_a_causal_buffer_lowers():
+    """A static graph reads only [:T, :T] of nanoGPT's buffer; the whole buffer is a causal table."""
+    model = NanoGPT()
+    cap = capture(model, dynamic=False, **model_kwargs(7))
+    gm = cap.fresh()
+    result = lower(gm, example_inputs=cap.example_inputs)
+    seqs = [[1, 2, 3, 4, 5], [6, 7]]
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+
+
+def test_static_capture_of_a_banded_buffer_is_refused():
+    """A window of 10 does not show at the 7 tokens a static graph can be evaluated at: the buffer tells."""
+    model = NanoGPT()
+    for block in model.h:
+        block.attn.bias.copy_(block.attn.bias * torch.ones_like(block.attn.bias).triu(-9))
+    cap = capture(model, dynamic=False, **model_kwargs(7))
     with pytest.raises(LoweringError, match="captured for exactly 7 tokens.*size 32.*dynamic=True"):
         find_attention.run(cap.fresh(), cap.example_inputs)
+    dynamic = capture(model, **model_kwargs(7))
+    with pytest.raises(LoweringError, match="hides earlier token 0 from token 10"):
+        find_attention.run(dynamic.fresh(), dynamic.example_inputs)
 
 
 def test_positions_computed_inside_the_graph_are_refused():
