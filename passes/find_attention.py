@@ -10,7 +10,9 @@ A site is either
 K/V repeated for GQA (``repeat_kv``: expand + reshape, ``repeat_interleave``) are traced back
 to the un-repeated tensors, whose head count is the cache's ``n_kv_heads``. Every softmax over
 a ``[..., T, T]`` tensor is treated as attention: if it does not match, the graph is refused,
-never left half lowered. Refusals raise ``LoweringError`` naming the node, target and source line.
+never left half lowered. Token positions must come in as a graph input: an ``arange`` over the
+token count reaching q, k or v is refused (a ragged step's tokens are not at 0..T-1). Refusals
+raise ``LoweringError`` naming the node, target and source line.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
     dead = view.only_feeding(mask_nodes, set().union(*(s.body for s in sites)))
     analysis = AttentionAnalysis(sites, token_count, frozenset(dead))
-    kinds = ", ".join(sorted({f"{s.kind}" + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
+    kinds = ", ".join(sorted({s.kind + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
     log_pass("find_attention", start,
              f"{len(sites)} sites ({kinds}), Hkv={analysis.n_kv_heads}, D={analysis.head_dim}, "
              f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask}")
