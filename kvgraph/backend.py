@@ -298,7 +298,7 @@ class CompiledModel:
 
     Attributes:
         model: the original module (unchanged).
-        module: the ``torch.compile``-d module.
+        module: the ``torch.compile``-d entry point that calls ``model``.
         backend: the :class:`KVGraphBackend` (its ``runners`` hold the lowerings).
         manager: the manager the graphs were lowered for, or ``None``.
     """
@@ -307,7 +307,7 @@ class CompiledModel:
         self.model = model
         self.backend = backend
         self.manager = manager
-        self.module = torch.compile(model, backend=backend, fullgraph=True)
+        self.module = torch.compile(_entry_point(model), backend=backend, fullgraph=True)
         self._hf_cache = takes_use_cache(model)
 
     def __call__(self, *args, **kwargs):
@@ -325,6 +325,22 @@ class CompiledModel:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
         return self.module(*args, **kwargs)
+
+
+def _entry_point(model: torch.nn.Module) -> Callable:
+    """A function that calls ``model``, with a code object of its own.
+
+    Dynamo keeps its compiled entries (and its recompile limit) per code object. Every Hugging
+    Face model's ``forward`` is one shared decorated function, so compiling the modules
+    themselves would make all compiled models of a process share one limit of entries; a
+    fresh code object per compiled model gives each its own.
+    """
+
+    def forward(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    forward.__code__ = forward.__code__.replace(co_name=f"kvgraph_{type(model).__name__}_forward")
+    return forward
 
 
 def compile(

@@ -329,3 +329,26 @@ def test_unknown_backend_options_are_refused(model):
 def test_compile_refuses_an_unknown_inner_compiler(model, inner):
     with pytest.raises(InvalidParamsError, match="inner"):
         kvgraph.compile(model, inner=inner)
+
+
+def test_many_compiled_hugging_face_models_in_one_process():
+    # Every Hugging Face model's forward is one shared decorated function, and each compiled model
+    # adds its own graphs (T > 1 and T == 1): were they kept on that shared code object, the fifth
+    # model would exceed Dynamo's recompile limit of 8 entries per code object.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    kv = KVCacheParams(torch.float32, n_kv_heads=2, head_dim=8, num_layers=1, page_size=4)
+    for seed in range(torch._dynamo.config.recompile_limit // 2 + 2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            llama = LlamaForCausalLM(config).eval()
+        mgr = load_kv_manager(kv, max_batch_size=2, max_seq_len=16)
+        compiled = kvgraph.compile(llama, manager=mgr, inner="eager")
+        (seq,) = mgr.claim(1)
+        with torch.no_grad():
+            prefill = run_step(compiled, mgr, [KVRequest(seq, [3, 1, 4])]).logits[0, 0]
+            decode_ = run_step(compiled, mgr, [KVRequest(seq, [1])]).logits[0, 0]
+            want = llama(torch.tensor([[3, 1, 4, 1]]), use_cache=False).logits[0]
+        torch.testing.assert_close(torch.stack([prefill, decode_]), want[[2, 3]], atol=2e-5, rtol=2e-5)
