@@ -26,12 +26,14 @@ _EXPORTS = {
     "kvgraph.request": ["KVRequest"],
     "kvgraph.managers": [
         "KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager", "load_kv_manager",
+        "ragged_input_symbols",
     ],
     "kvgraph.collection": [
         "ContinuousBatchingKVCacheCollection", "PagedKVCacheCollection",
-        "ContinuousBatchingKVCache", "PagedKVCache",
+        "ContinuousBatchingKVCache", "PagedKVCache", "collection_for",
     ],
     "kvgraph.runtime": ["bind"],
+    "kvgraph.step": ["prepare_step", "run_step"],
     "kvgraph.backend": ["compile", "kvgraph_backend"],
     "kvgraph.engine": ["LLM", "SamplingParams", "Completion"],
 }

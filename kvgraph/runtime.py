@@ -27,10 +27,7 @@ from kvgraph.errors import BindingError, CacheInputError
 from kvgraph.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
 from kvgraph.managers.base import INDEX_DTYPE, ragged_input_symbols
 from kvgraph.params import KVCacheParams, KVCacheStrategy
-from kvgraph.symbols import TensorType
-
-KV_PLACEHOLDERS = ("kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets")
-"""Names (and order) of the graph inputs a lowered graph takes after the model's own."""
+from kvgraph.symbols import KV_PLACEHOLDERS, TensorType
 
 HOW_TO_BIND = (
     "call it inside `with kvgraph.bind(kv_inputs, input_row_offsets):`, where kv_inputs is "

@@ -148,6 +148,14 @@ class PaddedKVCacheInputSymbols(KVCacheInputSymbols):
     null_op: TensorType
 
 
+KV_PLACEHOLDERS: tuple[str, ...] = (
+    *(f.name for f in dataclasses.fields(RaggedKVCacheInputSymbols)),
+    "input_row_offsets",
+)
+"""Names (and order) of the graph inputs a lowered graph takes after the model's own: the ragged
+KV symbols, then ``input_row_offsets [batch_size + 1]``."""
+
+
 def make_symints(
     names: Sequence[str], shape_env: ShapeEnv, hints: Mapping[str, int] | None = None
 ) -> dict[str, torch.SymInt]:

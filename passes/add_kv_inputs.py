@@ -24,9 +24,7 @@ from kvgraph.managers.base import INDEX_DTYPE, ragged_input_symbols
 from kvgraph.params import KVCacheParams
 from kvgraph.passes.graph_view import meta_value
 from kvgraph.passes.log import log_pass
-from kvgraph.symbols import RaggedKVCacheInputSymbols, fake_inputs
-
-KV_PLACEHOLDERS = ("kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets")
+from kvgraph.symbols import KV_PLACEHOLDERS, RaggedKVCacheInputSymbols, fake_inputs
 
 Node = torch.fx.Node
 

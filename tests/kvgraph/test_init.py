@@ -1,0 +1,17 @@
+import importlib
+
+import pytest
+
+import kvgraph
+
+
+@pytest.mark.parametrize("name", kvgraph.__all__)
+def test_every_public_name_resolves_to_its_module(name):
+    value = getattr(kvgraph, name)
+    module = importlib.import_module(kvgraph._WHERE[name])
+    assert value is getattr(module, name)
+
+
+def test_unknown_names_raise_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = kvgraph.nope
