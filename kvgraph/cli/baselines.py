@@ -57,12 +57,18 @@ class _StepClock(torch.nn.Module):
         return scores
 
 
-def _greedy_config(max_new_tokens: int, pad_id: int):
+def _greedy_config(model: torch.nn.Module, max_new_tokens: int, pad_id: int):
+    """Greedy decoding of exactly ``max_new_tokens`` tokens, EOS included, as kvgraph's ``ignore_eos``.
+
+    Hugging Face has no ``ignore_eos``: an unset ``eos_token_id`` is filled in from the model's own
+    generation config, and ``min_new_tokens`` would then forbid the EOS token rather than emit it,
+    changing the greedy tokens. The EOS id is set to one past the vocabulary, which no step produces.
+    """
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=pad_id, use_cache=True,
+        max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=model.config.vocab_size, pad_token_id=pad_id, use_cache=True,
     )
 
 
@@ -74,7 +80,7 @@ def hf_generate(
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    config = _greedy_config(max_new_tokens, pad_id)
+    config = _greedy_config(model, max_new_tokens, pad_id)
     outputs, ttft, itl = [], [], []
     peak_tokens, held_tokens, real_tokens = 0, 0, 0
     start = time.perf_counter()
@@ -117,7 +123,7 @@ def hf_generate_batch(
     per-step limits as kvgraph."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    config = _greedy_config(max_new_tokens, pad_id)
+    config = _greedy_config(model, max_new_tokens, pad_id)
     cb = ContinuousBatchingConfig(
         page_size=page_size, num_blocks=num_pages, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_batch_size, use_cuda_graph=False, use_async_batching=False,
