@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+
 from kvgraph.kernels import cpu, reference
 
 SHAPES = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kvgraph.kernels.reference import store_and_load_context
 
 

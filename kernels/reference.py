@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvgraph.kernels.ops import check_inputs, check_values
 
 from kvgraph.collection import (
     ContinuousBatchingKVCacheCollection,
@@ -25,6 +24,7 @@ from kvgraph.collection import (
     collection_for,
 )
 from kvgraph.inputs import RaggedKVCacheInputs
+from kvgraph.kernels.ops import check_inputs, check_values
 
 Collection = PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
 

@@ -9,6 +9,7 @@ the op itself, so the op's CUDA implementation can call it.
 from __future__ import annotations
 
 import torch
+
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.decode import choose_num_splits, launch_decode, multiprocessors
 from kvgraph.kernels.triton.launch import on_device

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from kvgraph.kernels.ops import check_inputs
 
 from kvgraph.errors import CacheInputError
+from kvgraph.kernels.ops import check_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the padded head dim of a tile; larger heads do not fit the kernels' registers

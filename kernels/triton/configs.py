@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import triton
+
 from kvgraph.kernels.triton.checks import interpreting
 from kvgraph.kernels.triton.layout import MIN_DOT
 

@@ -7,13 +7,13 @@ import math
 
 import torch
 import triton
+
+from kvgraph.errors import CacheInputError
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel
 from kvgraph.kernels.triton.launch import dot_precision, on_device
 from kvgraph.kernels.triton.layout import MIN_DOT, PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.kernels.triton.store import launch_store
-
-from kvgraph.errors import CacheInputError
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # fewer positions per split cost more in the reduction than they save

@@ -7,6 +7,7 @@ context and writes an un-normalised partial output with its running max and sum;
 
 import triton
 import triton.language as tl
+
 from kvgraph.kernels.triton.configs import DECODE_KEY, decode_configs, prune_decode
 from kvgraph.kernels.triton.tile_kernel import attend_tile
 

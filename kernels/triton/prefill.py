@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.launch import block_programs, dot_precision, on_device
 from kvgraph.kernels.triton.layout import PagedLayer, next_power_of_2, padded_head_dim

@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+
 from kvgraph.kernels.triton.configs import PREFILL_KEY, prefill_configs, prune_prefill
 from kvgraph.kernels.triton.tile_kernel import attend_tile, locate_block
 

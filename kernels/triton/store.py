@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.launch import block_programs, on_device
 from kvgraph.kernels.triton.layout import PagedLayer, padded_head_dim

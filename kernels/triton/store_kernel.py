@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+
 from kvgraph.kernels.triton.tile_kernel import kv_rows, locate_block, lookup_pages
 
 

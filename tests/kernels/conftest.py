@@ -14,12 +14,12 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
 import pytest
 import torch
-from kvgraph.kernels.reference import GOLDEN_TOLERANCE, naive_attention_fp64
 
+import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
 from kvgraph.inputs import RaggedKVCacheInputs
+from kvgraph.kernels.reference import GOLDEN_TOLERANCE, naive_attention_fp64
 
 
 @dataclass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvgraph.kernels import check_inputs, cpu, reference
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from kvgraph.errors import CacheInputError
+from kvgraph.kernels import check_inputs, cpu, reference
 
 OP = torch.ops.kvgraph.ragged_attention
 

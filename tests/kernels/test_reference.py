@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
+from kvgraph.collection import collection_for
 from kvgraph.kernels.reference import (
     RaggedBatch,
     naive_attention_fp64,
@@ -14,8 +16,6 @@ from kvgraph.kernels.reference import (
     store_kv,
     token_positions,
 )
-
-from kvgraph.collection import collection_for
 
 
 def max_err(out: torch.Tensor, golden: torch.Tensor) -> float:

@@ -1,11 +1,12 @@
 """``ragged_attention``: the op's arguments, the store, dispatch to decode or prefill, and steps
 of a generation; on CUDA, a Hugging Face Llama through ``kvgraph.compile`` keeps its greedy tokens."""
 
-import kvgraph.kernels.triton.api as api
 import pytest
 import torch
-from kvgraph.kernels.triton import ragged_attention
 from triton_cases import DEVICE, gpu, reference_output
+
+import kvgraph.kernels.triton.api as api
+from kvgraph.kernels.triton import ragged_attention
 
 
 @pytest.fixture

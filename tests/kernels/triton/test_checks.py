@@ -1,12 +1,12 @@
 """Arguments the Triton kernels cannot take raise CacheInputError naming the value, and nothing is written."""
 
-import kvgraph.kernels.triton.checks as checks
 import pytest
 import torch
-from kvgraph.kernels.triton import ragged_attention
 from triton_cases import DEVICE
 
+import kvgraph.kernels.triton.checks as checks
 from kvgraph.errors import CacheInputError
+from kvgraph.kernels.triton import ragged_attention
 
 
 def _with(args, **changes):

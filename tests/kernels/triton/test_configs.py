@@ -1,8 +1,9 @@
 """The autotuning spaces and their pruning filters."""
 
-import kvgraph.kernels.triton.configs as configs
 import pytest
 import torch
+
+import kvgraph.kernels.triton.configs as configs
 
 
 @pytest.fixture

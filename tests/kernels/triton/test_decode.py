@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from kvgraph.kernels.triton import decode_attention
-from kvgraph.kernels.triton.decode import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
 from triton_cases import BF16, DEVICE, gpu, reference_output
 
 from kvgraph.errors import CacheInputError
+from kvgraph.kernels.triton import decode_attention
+from kvgraph.kernels.triton.decode import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
 
 # empty cache, short, page exactly full after the step, long odd context, no new token
 DECODE = [(0, 1), (5, 1), (15, 1), (96, 1), (8, 0)]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from kvgraph.kernels.triton.layout import PagedLayer, next_power_of_2, padded_head_dim
 
 

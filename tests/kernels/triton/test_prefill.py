@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from kvgraph.kernels.triton import prefill_attention
 from triton_cases import BF16, DEVICE, gpu, reference_output
+
+from kvgraph.kernels.triton import prefill_attention
 
 # empty cache, long prompt over a cached prefix, page exactly full, one token, no new token,
 # prefixes ending one and two positions before a 16-key tile boundary

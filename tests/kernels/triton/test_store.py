@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from kvgraph.kernels.triton import store_kv
 from triton_cases import BF16, DEVICE, gpu
 
 from kvgraph.errors import CacheInputError
+from kvgraph.kernels.triton import store_kv
 
 # new prompt, decode step, prompt crossing pages, no new token, page filled exactly
 LENGTHS = [(0, 17), (5, 1), (30, 3), (16, 0), (9, 7)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvgraph.kernels import reference
 from kvgraph.kernels.triton.checks import interpreting
 
