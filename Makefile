@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check kvgraph passes kernels tests benchmarks
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
