@@ -114,7 +114,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's batch (empty when nothing can run)."""
         out = SchedulerOutput(entries=[])
-        budget = self.max_batch_tokens
+        budget = self._schedule_running(out, self.max_batch_tokens)
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.num_steps = self._multistep(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Add the running requests to ``out`` in admission order within ``budget``; return what is left.
+
+        The whole running batch is tried with one ``can_fetch`` first (a subset of a batch that fits
+        fits too, so the answer is the same as request by request). Only when it does not fit are the
+        requests taken one by one, preempting the newest until each fits, which asks the manager once
+        per request.
+        """
+        entries: list[ScheduledRequest] = []
+        left = budget
+        for request in self.running:
+            if left <= 0 or len(entries) >= self.max_batch_size:
+                break
+            entries.append(self._entry(request, min(request.num_remaining, left)))
+            left -= len(entries[-1].kv.tokens)
+        if not entries or self.manager.can_fetch([e.kv for e in entries], num_steps=1):
+            out.entries.extend(entries)
+            return left
         scheduled = 0
         while scheduled < len(self.running) and budget > 0 and len(out.entries) < self.max_batch_size:
             request = self.running[scheduled]
@@ -127,10 +150,7 @@ class Scheduler:
             out.entries.append(entry)
             budget -= len(entry.kv.tokens)
             scheduled += 1
-        if not out.preempted:
-            budget = self._admit(out, budget)
-        out.num_steps = self._multistep(out)
-        return out
+        return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in order while the budget, the batch and the cache allow."""

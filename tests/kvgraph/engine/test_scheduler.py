@@ -209,3 +209,17 @@ def test_a_prefix_hit_is_free_and_the_first_chunk_starts_after_it():
     m.fetch(out.kv_requests)
     assert entry.kv.cached_tokens == 12 and len(entry.kv.new_tokens) == 1
     s.abort_all()
+
+
+def test_a_running_batch_that_fits_is_checked_with_one_can_fetch():
+    m = _manager(max_batch_size=8)
+    s = _scheduler(m)
+    for i in range(8):
+        s.add(_request(i, 3, max_new=8))
+    _step(s)  # admits all eight
+    calls = []
+    can_fetch = m.can_fetch
+    m.can_fetch = lambda batch, num_steps=1: calls.append(len(batch)) or can_fetch(batch, num_steps)
+    out = _step(s)
+    assert len(out.entries) == 8 and not out.preempted
+    assert calls == [8]
