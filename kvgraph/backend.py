@@ -198,10 +198,9 @@ class KVGraphBackend:
         binding = current_binding()
         layout = runner.fixed_layout or (binding.layout if binding is not None else None)
         if layout is not None:
-            try:
+            # A layout that cannot be lowered is not cached: the runner raises the error, typed, when called.
+            with contextlib.suppress(KVCacheError, BindingError, LoweringError):
                 runner.lowered(layout, example_inputs)
-            except (KVCacheError, BindingError, LoweringError):
-                pass  # not cached: the runner raises it, typed, when called
         self.runners.append(runner)
         return runner
 
