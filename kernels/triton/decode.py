@@ -30,8 +30,9 @@ def multiprocessors(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, multiprocessors: int) -> int:
     """Splits per sequence so that ``batch * n_kv_heads * splits`` programs fill ``WAVES`` waves of
-    the device, without splitting the longest context below ``MIN_SPLIT_TOKENS`` positions per split."""
-    by_occupancy = triton.cdiv(WAVES * multiprocessors, batch * n_kv_heads)
+    the device, without splitting the longest context below ``MIN_SPLIT_TOKENS`` positions per split.
+    An empty batch (no programs to launch) is sized like one sequence of one KV head."""
+    by_occupancy = triton.cdiv(WAVES * multiprocessors, max(1, batch * n_kv_heads))
     by_length = triton.cdiv(max_context, MIN_SPLIT_TOKENS)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 

@@ -51,6 +51,15 @@ def test_a_step_without_new_tokens_returns_an_empty_output(make_kv_case):
     assert torch.equal(case.kv_blocks, before)
 
 
+def test_an_empty_batch_dispatched_to_decode_returns_an_empty_output(make_kv_case, launches):
+    # max_lengths of a decode step (a stale row) over a batch of no sequences
+    case = make_kv_case([], device=DEVICE)
+    case.max_lengths = torch.tensor([[1, 5]], dtype=torch.int32)
+    out = ragged_attention(*case.args())
+    assert out.shape == (0, *case.q.shape[1:]) and out.dtype == case.q.dtype
+    assert launches == ["decode"]
+
+
 def _step(case, chunks):
     """Op arguments running ``chunks[b] = (start, n)``: tokens ``start .. start + n`` of sequence
     ``b`` of a one-step ``case`` whose sequences all start with an empty cache."""

@@ -75,6 +75,8 @@ def test_choose_num_splits_fills_the_device_only_for_long_contexts():
     assert choose_num_splits(batch=1, n_kv_heads=1, max_context=3 * MIN_SPLIT_TOKENS, multiprocessors=132) == 3
     # never more than MAX_SPLITS
     assert choose_num_splits(batch=1, n_kv_heads=1, max_context=1 << 20, multiprocessors=132) == MAX_SPLITS
+    # a step without sequences (whatever max_lengths says) still gets a split count
+    assert choose_num_splits(batch=0, n_kv_heads=8, max_context=600, multiprocessors=132) == 3
 
 
 @gpu
