@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from lowering_helpers import (
+    VOCAB,
     Captured,
-    NanoGPT,
     capture,
     hf_kwargs,
     model_kwargs,
@@ -13,6 +13,7 @@ from lowering_helpers import (
     tiny_llama,
     tiny_qwen2,
 )
+from nanogpt_model import NanoGPT
 
 
 # -- session fixtures: one capture per model --
@@ -38,4 +39,4 @@ def qwen2_sdpa() -> Captured:
 
 @pytest.fixture(scope="session")
 def nanogpt() -> Captured:
-    return capture(NanoGPT(), **model_kwargs())
+    return capture(NanoGPT(VOCAB), **model_kwargs())

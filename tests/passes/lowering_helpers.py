@@ -11,13 +11,11 @@ batch; ``run_step`` feeds them to a lowered graph and commits the new tokens.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import transformers
 
 import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
@@ -86,62 +84,6 @@ def tiny_gpt2(attn: str = "sdpa") -> nn.Module:
         bos_token_id=0, eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config).eval()
-
-
-# -- a nanoGPT-style model: explicit matmul-softmax attention over a registered causal buffer --
-class NanoAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.attn_dropout = nn.Dropout(0.0)
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
-
-
-class NanoBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = NanoAttention(n_embd, n_head, block_size)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class NanoGPT(nn.Module):
-    """nanoGPT with explicit position ids (a ragged batch restarts positions per sequence)."""
-
-    def __init__(self, n_layer: int = 2, n_embd: int = 32, n_head: int = 4, block_size: int = 32) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.wte = nn.Embedding(VOCAB, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList(NanoBlock(n_embd, n_head, block_size) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
-        self.eval()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(position_ids)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
 
 
 class TinyDecoder(nn.Module):

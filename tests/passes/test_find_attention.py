@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import transformers
 from lowering_helpers import (
     VOCAB,
-    NanoGPT,
     RaggedCache,
     TinyDecoder,
     capture,
@@ -22,6 +21,7 @@ from lowering_helpers import (
     tiny_llama,
     tiny_qwen2,
 )
+from nanogpt_model import NanoGPT
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention, lower
@@ -224,7 +224,7 @@ def test_static_capture_lowers_for_its_token_count():
 
 def test_static_capture_of_a_causal_buffer_lowers():
     """A static graph reads only [:T, :T] of nanoGPT's buffer; the whole buffer is a causal table."""
-    model = NanoGPT()
+    model = NanoGPT(VOCAB)
     cap = capture(model, dynamic=False, **model_kwargs(7))
     gm = cap.fresh()
     result = lower(gm, example_inputs=cap.example_inputs)
@@ -236,7 +236,7 @@ def test_static_capture_of_a_causal_buffer_lowers():
 
 def test_static_capture_of_a_banded_buffer_is_refused():
     """A window of 10 does not show at the 7 tokens a static graph can be evaluated at: the buffer tells."""
-    model = NanoGPT()
+    model = NanoGPT(VOCAB)
     for block in model.h:
         block.attn.bias.copy_(block.attn.bias * torch.ones_like(block.attn.bias).triu(-9))
     cap = capture(model, dynamic=False, **model_kwargs(7))
