@@ -22,7 +22,7 @@ def tiny_qwen2_factory():
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test compiles afresh: Dynamo's per-function cache limit is shared by all tests."""
+    """Each test compiles afresh, so its compile and recompile counts are its own."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

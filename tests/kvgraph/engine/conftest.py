@@ -58,16 +58,6 @@ def shared_prefix_prompts():
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_dynamo_per_module():
-    """Each module starts from an empty Dynamo cache: Hugging Face models share one decorated
-    ``forward`` code object, whose recompile limit (8) all compiled models in the process use up."""
+    """Each module starts from an empty Dynamo cache, so its recompile counts are its own."""
     torch._dynamo.reset()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo_per_engine(request):
-    """A test that builds its own engine starts from an empty Dynamo cache too (the module's
-    shared ``llm`` engine then recompiles on its next call)."""
-    if "llm" not in request.fixturenames:
-        torch._dynamo.reset()
     yield
