@@ -1,10 +1,12 @@
-"""CPU ragged attention: the PyTorch reference vs the SDPA fast path, median milliseconds as JSON.
+"""CPU ragged attention: the PyTorch reference, the SDPA path and the C++ paged kernel, median ms as JSON.
 
     python benchmarks/cpu_attention.py [--repeats 20] [--threads N]
 
-Two batches over a paged cache (page_size 16, 8 query heads, 2 kv heads, head_dim 64):
-a decode batch (one new token per sequence over long contexts) and a prefill batch
-(long prompts with a cached prefix). Each run stores into its own copy of the cache.
+Batches over a paged cache (page_size 16, 8 query heads, 2 kv heads, head_dim 64): a decode
+batch (one new token per sequence over long contexts), a prefill batch (long prompts with a
+cached prefix) and a ragged decode batch (contexts of 16..1024 tokens: what padding to the
+longest costs). Each run stores into its own copy of the cache. ``attention_gflops`` counts
+the useful multiply-adds of QK^T and PV (causal, no padding) per second of the C++ kernel.
 """
 
 from __future__ import annotations
@@ -16,28 +18,30 @@ import time
 
 import torch
 
-from kvgraph.kernels import cpu, reference
+from kvgraph.kernels import cpp, cpu, reference
 
 SHAPES = {
-    "decode": {"batch": 16, "cached": 1023, "new": 1},
-    "prefill": {"batch": 4, "cached": 128, "new": 256},
+    "decode": {"batch": 16, "cached": [1023] * 16, "new": 1},
+    "prefill": {"batch": 4, "cached": [128] * 4, "new": 256},
+    "ragged_decode": {"batch": 16, "cached": [16 + 67 * i for i in range(16)], "new": 1},
 }
+IMPLS = {"reference": reference.ragged_attention, "sdpa": cpu.ragged_attention, "cpp": cpp.ragged_attention}
 
 
-def make_step(batch: int, cached: int, new: int, dtype: torch.dtype, page_size: int = 16,
+def make_step(batch: int, cached: list[int], new: int, dtype: torch.dtype, page_size: int = 16,
               n_heads: int = 8, n_kv_heads: int = 2, head_dim: int = 64, num_layers: int = 2) -> tuple:
-    """The op's arguments for ``batch`` sequences of ``cached`` + ``new`` tokens in shuffled pages."""
+    """The op's arguments for ``batch`` sequences of ``cached[b]`` + ``new`` tokens in shuffled pages."""
     gen = torch.Generator().manual_seed(0)
-    pages_per_seq = -(-(cached + new) // page_size)
+    pages_per_seq = -(-(max(cached) + new) // page_size)
     num_pages = batch * pages_per_seq
     blocks = torch.randn(num_pages, 2, num_layers, page_size, n_kv_heads, head_dim, generator=gen).to(dtype)
     lookup = torch.randperm(num_pages, generator=gen).view(batch, pages_per_seq).to(torch.int32)
     T = batch * new
     q = torch.randn(T, n_heads, head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(T, n_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    cache_lengths = torch.full((batch,), cached, dtype=torch.int32)
+    cache_lengths = torch.tensor(cached, dtype=torch.int32)
     offsets = torch.arange(0, T + 1, new, dtype=torch.int32)
-    max_lengths = torch.tensor([[new, cached + new]], dtype=torch.int32)
+    max_lengths = torch.tensor([[new, max(cached) + new]], dtype=torch.int32)
     return q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 1
 
 
@@ -72,14 +76,19 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         for name, shape in SHAPES.items():
             step = make_step(**shape, dtype=dtype)
-            ms = median_ms({"reference": reference.ragged_attention, "fast": cpu.ragged_attention}, step, args.repeats)
-            ref, fast = ms["reference"], ms["fast"]
-            results.append({
-                "case": name, **shape, "dtype": dtype_name,
-                "reference_ms": round(ref["wall"], 3), "fast_path_ms": round(fast["wall"], 3),
-                "reference_cpu_ms": round(ref["cpu"], 3), "fast_path_cpu_ms": round(fast["cpu"], 3),
-                "speedup_cpu_time": round(ref["cpu"] / fast["cpu"], 2),
-            })
+            ms = median_ms(IMPLS, step, args.repeats)
+            new = shape["new"]
+            # multiply-adds of QK^T and PV, each query over its causal context, every query head
+            macs = 2 * 8 * 64 * sum(c * new + new * (new + 1) // 2 for c in shape["cached"])
+            row = {"case": name, "batch": shape["batch"], "cached": f"{min(shape['cached'])}..{max(shape['cached'])}",
+                   "new": new, "dtype": dtype_name}
+            for impl, t in ms.items():
+                row[f"{impl}_ms"] = round(t["wall"], 3)
+                row[f"{impl}_cpu_ms"] = round(t["cpu"], 3)
+            row["cpp_vs_sdpa"] = round(ms["sdpa"]["wall"] / ms["cpp"]["wall"], 2)
+            row["cpp_vs_reference"] = round(ms["reference"]["wall"] / ms["cpp"]["wall"], 2)
+            row["attention_gflops"] = round(2 * macs / ms["cpp"]["wall"] / 1e6, 1)
+            results.append(row)
     print(json.dumps({"threads": args.threads, "torch": torch.__version__, "results": results}, indent=2))
 
 

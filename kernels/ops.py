@@ -6,8 +6,9 @@ K and V into layer ``layer_idx`` of the cache, then returns causal attention of 
 new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
 of sequence ``b`` sits at position ``cache_lengths[b] + i - input_row_offsets[b]``.
 
-Implementations: a fake (shape) impl for tracing, the CPU fast path
-(:mod:`kvgraph.kernels.cpu`) and, on CUDA, the Triton kernels
+Implementations: a fake (shape) impl for tracing; on the CPU the C++ paged kernel
+(:mod:`kvgraph.kernels.cpp`, pages read in place), or the SDPA path (:mod:`kvgraph.kernels.cpu`)
+where no compiler is at hand or ``KVGRAPH_CPU_ATTENTION=sdpa``; on CUDA, the Triton kernels
 (``kvgraph.kernels.triton.ragged_attention``, imported when first called).
 """
 
@@ -178,9 +179,11 @@ SCHEMA = (
 )
 
 
-@torch.library.custom_op(
-    "kvgraph::ragged_attention", mutates_args=("kv_blocks",), device_types="cpu", schema=SCHEMA
-)
+_LIB = torch.library.Library("kvgraph", "DEF")
+_LIB.define("ragged_attention" + SCHEMA)
+_cpu_kernel = None  # the CPU implementation, chosen on first use (see kvgraph.kernels.cpp)
+
+
 def ragged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,14 +214,30 @@ def ragged_attention(
     Returns:
         ``[T, Hq, D]`` in q's dtype. q, k, v and kv_blocks share one dtype and device.
     """
-    from kvgraph.kernels.cpu import ragged_attention as cpu_ragged_attention
-
-    return cpu_ragged_attention(
+    return torch.ops.kvgraph.ragged_attention(
         q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
     )
 
 
-@ragged_attention.register_kernel("cuda")
+def cpu_implementation() -> str:
+    """``"cpp"`` or ``"sdpa"``: what serves the op on CPU tensors in this process (chosen on first use)."""
+    from kvgraph.kernels import cpp, cpu
+
+    global _cpu_kernel
+    if _cpu_kernel is None:
+        _cpu_kernel = cpp.ragged_attention if cpp.available() else cpu.ragged_attention
+    return "cpp" if _cpu_kernel.__module__ == cpp.__name__ else "sdpa"
+
+
+@torch.library.impl(_LIB, "ragged_attention", "CPU")
+def _ragged_attention_cpu(*args, **kwargs) -> torch.Tensor:
+    """CPU: the C++ paged kernel, or the SDPA path where it cannot be built (same arguments)."""
+    if _cpu_kernel is None:
+        cpu_implementation()
+    return _cpu_kernel(*args, **kwargs)
+
+
+@torch.library.impl(_LIB, "ragged_attention", "CUDA")
 def _ragged_attention_cuda(*args, **kwargs) -> torch.Tensor:
     """CUDA: the Triton kernels, same arguments (they validate with :func:`check_inputs`)."""
     from kvgraph.kernels.triton import ragged_attention as triton_ragged_attention
@@ -226,7 +245,7 @@ def _ragged_attention_cuda(*args, **kwargs) -> torch.Tensor:
     return triton_ragged_attention(*args, **kwargs)
 
 
-@ragged_attention.register_fake
+@torch.library.register_fake("kvgraph::ragged_attention", lib=_LIB)
 def _ragged_attention_fake(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Shape-only impl for tracing: checks metadata, returns ``[T, Hq, D]`` like q."""
     check_inputs(q, *args, **kwargs)

@@ -4,6 +4,9 @@ Nothing is downloaded: each preset builds its model from a config in code
 (``AutoModelForCausalLM.from_config`` under a fixed seed, so two loads give the
 same weights) and shares one tokenizer built in code: ids 0..2 are
 ``<pad>``, ``<s>``, ``</s>``, ids 3..258 are the 256 bytes, so any text encodes.
+``llama-56m`` has a 32000-token vocabulary, as Llama's own tokenizer, so that its embedding and
+output projection weigh what a real model's do; text still encodes into ids below 259, and
+generated ids past those decode to nothing.
 """
 
 from __future__ import annotations
@@ -32,17 +35,21 @@ class Preset:
     config: Callable[[], object]
 
 
-def _special_ids() -> dict:
-    return dict(vocab_size=VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+def _special_ids(vocab_size: int = VOCAB_SIZE) -> dict:
+    return dict(vocab_size=vocab_size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
 
 
-def _llama(hidden: int, layers: int, heads: int, kv_heads: int):
+def _llama(
+    hidden: int, layers: int, heads: int, kv_heads: int, *, intermediate: int | None = None,
+    vocab_size: int = VOCAB_SIZE,
+):
+    """A Llama config; the MLP is ``2 * hidden`` wide unless ``intermediate`` says otherwise."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-        initializer_range=INIT_RANGE, **_special_ids(),
+        initializer_range=INIT_RANGE, **_special_ids(vocab_size),
     )
 
 
@@ -71,6 +78,12 @@ PRESETS: dict[str, Preset] = {
         Preset("gpt2-tiny", "GPT-2, 2 layers, hidden 64, 4 heads, learned positions", _gpt2),
         Preset("qwen2-tiny", "Qwen2, 2 layers, hidden 64, 4 query / 2 KV heads, QKV bias", _qwen2),
         Preset("llama-small", "Llama, 4 layers, hidden 256, 8 query / 4 KV heads (GQA)", lambda: _llama(256, 4, 8, 4)),
+        Preset(
+            "llama-56m",
+            "Llama, ~56M parameters: 8 layers, hidden 512, MLP 1408, 8 query / 4 KV heads (GQA), "
+            "32000-token vocabulary, untied embeddings",
+            lambda: _llama(512, 8, 8, 4, intermediate=1408, vocab_size=32000),
+        ),
     )
 }
 

@@ -1,5 +1,6 @@
 """``kvgraph bench``: one workload through kvgraph and, in the same run, Hugging Face ``generate``
-(padded batches) and ``generate_batch`` (continuous batching); greedy outputs must agree."""
+(padded batches) and ``generate_batch`` (continuous batching); greedy outputs must agree. The matmul
+floor (``kvgraph.cli.floor``) says how close kvgraph comes to its model's linear layers alone."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from kvgraph.cli.baselines import SystemResult, hf_generate, hf_generate_batch
 from kvgraph.cli.common import add_engine_args, add_model_args, build_llm, positive_int
-from kvgraph.cli.report import agreement, format_table, plot, summarize
+from kvgraph.cli.floor import FLOOR_DESCRIPTION, matmul_floor
+from kvgraph.cli.report import agreement, format_table, plot, summarize, summarize_floor
 from kvgraph.errors import InvalidParamsError
 from kvgraph.workloads import WORKLOADS, Workload, make_workload
 
@@ -24,8 +28,10 @@ def add_parser(subparsers) -> None:
         "bench", help="benchmark a workload against Hugging Face baselines",
         description="Run a named workload through kvgraph, Hugging Face generate (padded batches) and "
         "generate_batch (continuous batching) with greedy decoding and a fixed output length; check that "
-        "the outputs agree; report throughput, its ratio, time to first token, inter-token latency "
-        f"percentiles, peak KV memory and KV waste. Workloads: {described}.",
+        "the outputs agree; report throughput, kvgraph's speed-up over each system, time to first token, "
+        "inter-token latency percentiles, peak KV memory and KV waste, and the matmul floor: the time "
+        "the model's linear layers alone take on the tokens of kvgraph's run, each call's new tokens "
+        f"(the output projection on one token per sequence). Workloads: {described}.",
     )
     add_model_args(p)
     p.add_argument("--workload", choices=list(WORKLOADS), default="mixed", help="default: mixed")
@@ -36,6 +42,7 @@ def add_parser(subparsers) -> None:
                    help=f"comma-separated subset of {', '.join(BASELINES)}, or none (default: both)")
     p.add_argument("--hf-batch-size", type=positive_int,
                    help="batch size of the padded generate baseline (default: --max-batch-size)")
+    p.add_argument("--no-floor", action="store_true", help="skip the matmul floor")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="exit 0 even if a baseline's greedy outputs differ from kvgraph's")
     p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the results as JSON to OUT")
@@ -52,23 +59,26 @@ def parse_baselines(text: str) -> list[str]:
     return names
 
 
-def run_kvgraph(llm, workload: Workload) -> SystemResult:
-    """Warm up (compile), then run the workload with EOS ignored."""
+def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, int]]]:
+    """Warm up (compile), then run the workload with EOS ignored. Returns the result and the
+    ``(new tokens, sequences)`` of every model call of the timed run."""
     from kvgraph.engine import SamplingParams
 
     llm.warmup()
     sampling = SamplingParams(max_new_tokens=workload.max_new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    completions = llm.generate(workload.prompts, sampling)
-    elapsed = time.perf_counter() - start
+    with llm.runner.record_shapes() as call_shapes:
+        start = time.perf_counter()
+        completions = llm.generate(workload.prompts, sampling)
+        elapsed = time.perf_counter() - start
     stats = llm.stats()
-    return SystemResult(
+    result = SystemResult(
         "kvgraph", [c.token_ids for c in completions], elapsed,
         ttft_s=[c.token_times[0] - start for c in completions],
         itl_s=[x for c in completions for x in c.inter_token_latencies],
         kv_allocated_bytes=stats["kv_allocated_bytes"], kv_peak_bytes=stats["kv_peak_bytes"],
         kv_waste=stats["kv_waste"],
     )
+    return result, call_shapes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,8 +97,13 @@ def run(args: argparse.Namespace) -> int:
     log = _Log()
     log(f"workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
         f"{workload.max_new_tokens} new tokens each")
-    results = [run_kvgraph(llm, workload)]
-    log(f"kvgraph: {results[0].tokens_per_s:.1f} tok/s")
+    kvgraph, call_shapes = run_kvgraph(llm, workload)
+    results = [kvgraph]
+    log(f"kvgraph: {kvgraph.tokens_per_s:.1f} tok/s over {len(call_shapes)} model calls")
+    floor_s = None
+    if not args.no_floor:
+        floor_s = matmul_floor(llm.model, call_shapes)
+        log(f"matmul floor: {kvgraph.new_tokens / floor_s:.1f} tok/s")
     pad_id = getattr(llm.model.config, "pad_token_id", None) or 0
     for name in baselines:
         if name == "hf-generate":
@@ -104,9 +119,15 @@ def run(args: argparse.Namespace) -> int:
             )
         log(f"{name}: {result.tokens_per_s:.1f} tok/s")
         results.append(result)
-    rows = [summarize(r, results[0]) for r in results]
-    agree = [agreement(results[0], r) for r in results[1:]]
+    rows = [summarize(r, kvgraph) for r in results]
+    if floor_s is not None:
+        rows.append(summarize_floor(floor_s, kvgraph))
+    agree = [agreement(kvgraph, r) for r in results[1:]]
+    vs_floor = kvgraph.elapsed_s / floor_s if floor_s is not None else None
     print(format_table(rows))
+    if vs_floor is not None:
+        floor_text = f"{floor_s:.2f} s" if floor_s >= 1 else f"{floor_s * 1e3:.2f} ms"
+        print(f"kvgraph: {vs_floor:.2f}x the matmul floor (floor {floor_text}: {FLOOR_DESCRIPTION})")
     for a in agree:
         print(f"greedy outputs vs {a['system']}: {a['identical']}/{a['requests']} requests identical"
               + (f", first mismatch at request {a['first_mismatch']['request']} token "
@@ -114,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": args.model, "workload": workload.name, "requests": len(workload.prompts),
         "max_new_tokens": workload.max_new_tokens, "device": str(llm.device), "dtype": str(llm.params.dtype),
-        "cache": args.cache, "results": rows, "agreement": agree, "kvgraph_stats": llm.stats(),
+        "torch_threads": torch.get_num_threads(), "cache": args.cache, "results": rows,
+        "kvgraph_vs_floor": vs_floor, "agreement": agree, "kvgraph_stats": llm.stats(),
     }
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report, indent=2))

@@ -1,12 +1,15 @@
-"""Figures of ``kvgraph bench``: per-system summaries, output agreement, a text table and a PNG chart."""
+"""Figures of ``kvgraph bench``: per-system summaries, the matmul floor, output agreement, a text table
+and a PNG chart."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from kvgraph.cli.baselines import SystemResult
+from kvgraph.cli.floor import FLOOR_SYSTEM
 
 PERCENTILES = (50, 90, 99)
+FLOOR_LABEL = "matmul floor\n(linear layers only)"
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -21,25 +24,54 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(result: SystemResult, reference: SystemResult | None = None) -> dict:
-    """Throughput, its ratio to ``reference``, TTFT and inter-token latency percentiles (ms), KV memory."""
-    out = {
-        "system": result.name,
-        "requests": len(result.outputs),
-        "new_tokens": result.new_tokens,
-        "elapsed_s": result.elapsed_s,
-        "tokens_per_s": result.tokens_per_s,
-        "speedup_vs_kvgraph": (
-            reference.tokens_per_s / result.tokens_per_s
-            if reference is not None and result.tokens_per_s > 0 else None
+    """Throughput, kvgraph's speed-up over it, TTFT and inter-token latency percentiles (ms), KV memory.
+
+    ``reference`` is kvgraph's result: ``kvgraph_speedup`` is its tokens/s over this system's.
+    """
+    return {
+        **_throughput(result.name, len(result.outputs), result.new_tokens, result.elapsed_s, reference),
+        **_latencies(result.ttft_s, result.itl_s),
+        "kv_allocated_bytes": result.kv_allocated_bytes,
+        "kv_peak_bytes": result.kv_peak_bytes,
+        "kv_waste": result.kv_waste,
+    }
+
+
+def summarize_floor(elapsed_s: float, reference: SystemResult) -> dict:
+    """The matmul floor's row: ``reference``'s (kvgraph's) requests and new tokens over ``elapsed_s``;
+    it generates nothing, so it has no latency or KV figures."""
+    return {
+        **_throughput(FLOOR_SYSTEM, len(reference.outputs), reference.new_tokens, elapsed_s, reference),
+        **_latencies([], []),
+        "kv_allocated_bytes": None,
+        "kv_peak_bytes": None,
+        "kv_waste": None,
+    }
+
+
+def _throughput(
+    system: str, requests: int, new_tokens: int, elapsed_s: float, reference: SystemResult | None
+) -> dict:
+    tokens_per_s = new_tokens / elapsed_s if elapsed_s > 0 else 0.0
+    return {
+        "system": system,
+        "requests": requests,
+        "new_tokens": new_tokens,
+        "elapsed_s": elapsed_s,
+        "tokens_per_s": tokens_per_s,
+        "kvgraph_speedup": (
+            reference.tokens_per_s / tokens_per_s if reference is not None and tokens_per_s > 0 else None
         ),
     }
-    for label, values in (("ttft", result.ttft_s), ("itl", result.itl_s)):
+
+
+def _latencies(ttft_s: list[float], itl_s: list[float]) -> dict:
+    """TTFT and inter-token latency percentiles in ms (``None`` where nothing was measured)."""
+    out = {}
+    for label, values in (("ttft", ttft_s), ("itl", itl_s)):
         for q in PERCENTILES:
             p = percentile(values, q)
             out[f"{label}_p{q}_ms"] = None if p is None else p * 1e3
-    out["kv_allocated_bytes"] = result.kv_allocated_bytes
-    out["kv_peak_bytes"] = result.kv_peak_bytes
-    out["kv_waste"] = result.kv_waste
     return out
 
 
@@ -60,7 +92,7 @@ def format_table(rows: list[dict]) -> str:
     """The summaries as an aligned text table."""
     cols = [
         ("system", "system", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
-        ("kvgraph x", "speedup_vs_kvgraph", "{:.2f}"),
+        ("kvgraph speed-up vs system", "kvgraph_speedup", "{:#.3g}x"),
         ("ttft p50 ms", "ttft_p50_ms", "{:.1f}"), ("ttft p99 ms", "ttft_p99_ms", "{:.1f}"),
         ("itl p50 ms", "itl_p50_ms", "{:.2f}"), ("itl p90 ms", "itl_p90_ms", "{:.2f}"),
         ("itl p99 ms", "itl_p99_ms", "{:.2f}"),
@@ -80,25 +112,34 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> Path:
-    """A 2x2 PNG: throughput, TTFT, inter-token latency percentiles and KV memory per system."""
+    """A 2x2 PNG: throughput (with the matmul floor's bar, when there is one), TTFT, inter-token latency
+    percentiles and KV memory per system."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["system"] for r in rows]
+    systems = [r for r in rows if r["system"] != FLOOR_SYSTEM]
+    names = [r["system"] for r in systems]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    axes[0][0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
-    axes[0][0].set_title("throughput (new tokens/s)")
+    throughput = [r["tokens_per_s"] for r in rows]
+    axes[0][0].bar(
+        [FLOOR_LABEL if r["system"] == FLOOR_SYSTEM else r["system"] for r in rows], throughput,
+        color=["tab:gray" if r["system"] == FLOOR_SYSTEM else "tab:blue" for r in rows],
+    )
+    wide = min(throughput) > 0 and max(throughput) > 100 * min(throughput)  # a tiny model's floor
+    if wide:
+        axes[0][0].set_yscale("log")
+    axes[0][0].set_title(f"throughput (new tokens/s{', log scale' if wide else ''})")
     for ax, label in ((axes[0][1], "ttft"), (axes[1][0], "itl")):
         width = 0.8 / len(PERCENTILES)
         for k, q in enumerate(PERCENTILES):
-            xs = [i + (k - 1) * width for i in range(len(rows))]
-            ax.bar(xs, [r[f"{label}_p{q}_ms"] or 0.0 for r in rows], width, label=f"p{q}")
-        ax.set_xticks(range(len(rows)), names)
+            xs = [i + (k - 1) * width for i in range(len(systems))]
+            ax.bar(xs, [r[f"{label}_p{q}_ms"] or 0.0 for r in systems], width, label=f"p{q}")
+        ax.set_xticks(range(len(systems)), names)
         ax.set_title(f"{'time to first token' if label == 'ttft' else 'inter-token latency'} (ms)")
         ax.legend()
-    axes[1][1].bar(names, [(r["kv_peak_bytes"] or r["kv_allocated_bytes"] or 0) / 2**20 for r in rows],
+    axes[1][1].bar(names, [(r["kv_peak_bytes"] or r["kv_allocated_bytes"] or 0) / 2**20 for r in systems],
                    color="tab:green")
     axes[1][1].set_title("KV memory, peak held (else allocated), MiB")
     for ax in axes.flat:

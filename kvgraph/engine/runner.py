@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -21,6 +22,21 @@ class ModelRunner:
 
     def __init__(self, compiled: Callable) -> None:
         self.compiled = compiled
+        self._shapes: list[tuple[int, int]] | None = None
+
+    @contextmanager
+    def record_shapes(self) -> Iterator[list[tuple[int, int]]]:
+        """Within the block, append ``(T, batch)`` of every call to the list it yields, in call order.
+
+        ``T`` is the call's new-token count and ``batch`` its number of sequences, both read from
+        tensor shapes, so recording never waits for the device. The list starts empty.
+        """
+        shapes: list[tuple[int, int]] = []
+        self._shapes = shapes
+        try:
+            yield shapes
+        finally:
+            self._shapes = None
 
     def __call__(
         self,
@@ -41,11 +57,13 @@ class ModelRunner:
         """
         from kvgraph.runtime import bind
 
+        batch = input_row_offsets.shape[0] - 1
+        if self._shapes is not None:
+            self._shapes.append((input_ids.shape[1], batch))
         with torch.inference_mode(), bind(kv_inputs, input_row_offsets):
             out = self.compiled(input_ids=input_ids, position_ids=position_ids)
         # logits: [1, batch, V]
         logits = _logits(out)
-        batch = input_row_offsets.shape[0] - 1
         if logits.dim() != 3 or logits.shape[:2] != (1, batch):
             raise BindingError(
                 f"the compiled model returned logits of shape {tuple(logits.shape)}, expected (1, {batch}, V): "

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from kvgraph.errors import CacheInputError
-from kvgraph.kernels import check_inputs, cpu, reference
+from kvgraph.kernels import check_inputs, cpp, cpu, ops, reference
 
 OP = torch.ops.kvgraph.ragged_attention
 
@@ -26,11 +26,12 @@ def test_cpu_and_cuda_kernels_are_registered():
         assert torch._C._dispatch_has_kernel_for_dispatch_key("kvgraph::ragged_attention", key), key
 
 
-def test_op_runs_the_cpu_path_and_mutates_the_cache(make_kv_case, cache_page_size):
+def test_op_runs_the_chosen_cpu_path_and_mutates_the_cache(make_kv_case, cache_page_size):
     case = make_kv_case([(20, 1), (0, 17), (7, 9)], page_size=cache_page_size)
     before = case.kv_blocks.clone()
     fast = case.clone()
-    expected = cpu.ragged_attention(*fast.args(), scale=0.2)
+    chosen = {"cpp": cpp.ragged_attention, "sdpa": cpu.ragged_attention}[ops.cpu_implementation()]
+    expected = chosen(*fast.args(), scale=0.2)
     out = OP(*case.args(), scale=0.2)
     assert torch.equal(out, expected)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))

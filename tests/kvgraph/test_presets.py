@@ -5,6 +5,8 @@ from kvgraph.errors import InvalidParamsError
 from kvgraph.presets import (
     BOS_ID,
     EOS_ID,
+    PAD_ID,
+    PRESETS,
     VOCAB_SIZE,
     byte_tokenizer,
     load_preset,
@@ -14,7 +16,31 @@ from kvgraph.presets import (
 
 
 def test_presets_include_the_documented_names():
-    assert {"llama-tiny", "gpt2-tiny", "qwen2-tiny", "llama-small"} <= set(preset_names())
+    assert {"llama-tiny", "gpt2-tiny", "qwen2-tiny", "llama-small", "llama-56m"} <= set(preset_names())
+
+
+def test_llama_56m_has_56m_untied_parameters():
+    from transformers import AutoModelForCausalLM
+
+    config = PRESETS["llama-56m"].config()
+    with torch.device("meta"):  # shapes only: no seconds of random init
+        model = AutoModelForCausalLM.from_config(config)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert head is not embed and embed.shape == head.shape == (32000, 512)
+    assert sum(p.numel() for p in model.model.layers.parameters()) == 23_601_152
+    assert sum(p.numel() for p in model.parameters()) == 56_369_664
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (8, 4, 1408)
+
+
+@pytest.mark.slow
+def test_llama_56m_runs_on_byte_tokenizer_text():
+    model, tok = load_preset("llama-56m")
+    ids = tok.encode("Hi!")
+    assert max(ids) < VOCAB_SIZE
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None]).logits
+    assert logits.shape == (1, len(ids), 32000) and logits.isfinite().all()
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "qwen2-tiny"])

@@ -11,13 +11,31 @@ def test_bench_compares_with_both_hf_baselines_and_writes_json_and_png(kvgraph_c
     report = json.loads(out.read_text())
     assert report["workload"] == "mixed" and report["requests"] == 4
     rows = {r["system"]: r for r in report["results"]}
-    assert set(rows) == {"kvgraph", "hf-generate", "hf-generate-batch"}
+    assert set(rows) == {"kvgraph", "hf-generate", "hf-generate-batch", "matmul-floor"}
+    floor = rows.pop("matmul-floor")
     for row in rows.values():
         assert row["new_tokens"] == 16 and row["tokens_per_s"] > 0
         assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] is not None
-    assert rows["kvgraph"]["speedup_vs_kvgraph"] == 1.0
+    assert rows["kvgraph"]["kvgraph_speedup"] == 1.0
+    assert floor["new_tokens"] == 16 and floor["ttft_p50_ms"] is None and floor["kv_peak_bytes"] is None
+    assert report["kvgraph_vs_floor"] == rows["kvgraph"]["elapsed_s"] / floor["elapsed_s"]
+    assert report["torch_threads"] >= 1 and report["dtype"] == "torch.float32"
+    assert [a["system"] for a in report["agreement"]] == ["hf-generate", "hf-generate-batch"]
     assert 0 < rows["kvgraph"]["kv_peak_bytes"] <= rows["kvgraph"]["kv_allocated_bytes"]
     assert rows["hf-generate"]["kv_waste"] > rows["kvgraph"]["kv_waste"]  # padding vs page slack
     assert all(a["identical"] == a["requests"] == 4 for a in report["agreement"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy outputs vs hf-generate: 4/4 requests identical" in done.stdout
+    assert "x the matmul floor (floor " in done.stdout
+
+
+def test_bench_no_floor_leaves_out_the_floor_row(kvgraph_cli, fast_flags, tmp_path):
+    out = tmp_path / "bench.json"
+    done = kvgraph_cli(
+        "bench", "--model", "llama-tiny", "--workload", "decode-heavy", "--requests", "2", "--max-new-tokens", "2",
+        "--max-seq-len", "272", "--baselines", "none", "--no-floor", "--json", str(out), *fast_flags,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["results"]] == ["kvgraph"]
+    assert report["kvgraph_vs_floor"] is None and "matmul floor" not in done.stdout
