@@ -81,6 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-steps", type=positive_int, default=1, help="decode steps per schedule (default 1)")
     g.add_argument("--compile", choices=("inductor", "eager"), default="inductor",
                    help="what runs the lowered graph (default inductor)")
+    g.add_argument("--no-freeze-weights", action="store_true",
+                   help="keep the weights as graph inputs instead of compiling them in as prepacked "
+                   "constants (Inductor's freezing)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
@@ -124,6 +127,7 @@ def build_llm(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         num_steps=args.num_steps,
         compile=args.compile,
+        freeze_weights=not args.no_freeze_weights,
         device=args.device,
         dtype=DTYPES.get(args.dtype),
     )

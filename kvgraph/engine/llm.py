@@ -49,6 +49,8 @@ class LLM:
     ``max_batch_tokens`` new tokens. ``kv_cache_memory`` (bytes) sizes the paged pool;
     by default it holds ``max_batch_size`` sequences of ``max_seq_len`` tokens.
     ``num_steps > 1`` runs batches of decodes that many steps back to back.
+    ``freeze_weights`` (Inductor only) compiles the weights in as constants with prepacked
+    linear layers: faster, but later edits of the module's parameters are not seen.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_steps: int = 1,
         compile: str = "inductor",
+        freeze_weights: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
@@ -88,7 +91,9 @@ class LLM:
         self.vocab_size = vocab_size(self.model)
         import kvgraph
 
-        self.compiled = kvgraph.compile(self.model, manager=self.manager, inner=compile)
+        self.compiled = kvgraph.compile(
+            self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights
+        )
         self.runner = ModelRunner(self.compiled)
         self.scheduler = Scheduler(
             self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,

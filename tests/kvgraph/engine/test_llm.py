@@ -181,6 +181,17 @@ def test_multistep_decoding_matches_single_steps(llama, hf_greedy):
     assert llm.manager.free_pages == llm.manager.total_pages
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze_weights", [True, False], ids=["frozen", "weights-as-inputs"])
+def test_inductor_with_and_without_frozen_weights_matches_hf_greedy(llama, hf_greedy, freeze_weights):
+    model, _ = llama
+    llm = LLM(model, page_size=8, max_batch_size=4, max_seq_len=64, freeze_weights=freeze_weights)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 7) for p in prompts]
+    assert llm.compiled.backend.options.freeze_weights is freeze_weights
+
+
 def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
     from kvgraph.presets import save_preset
 
