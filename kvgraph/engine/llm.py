@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import (
     eos_token_ids,
     kv_params_from_config,
@@ -293,10 +294,9 @@ class LLM:
     def _event(self, request: EngineRequest, token: int) -> TokenEvent:
         text = None
         if self.tokenizer is not None:
-            full = self._decode(request.output_ids)
-            hold = full.endswith("\ufffd") and not request.finished  # an incomplete UTF-8 sequence
-            text = "" if hold else full[request.text_offset :]
-            request.text_offset = request.text_offset if hold else len(full)
+            if request.detokenizer is None:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            text = request.detokenizer.delta(request.output_ids, final=request.finished)
         reason = request.finish_reason.value if request.finished else None
         return TokenEvent(request.request_id, request.request_id, token, text, reason)
 

@@ -49,7 +49,7 @@ class EngineRequest:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
-    text_offset: int = 0  # characters of the output text already streamed
+    detokenizer: object | None = None  # an IncrementalDetokenizer once the output is streamed as text
 
     @property
     def context(self) -> list[int]:
