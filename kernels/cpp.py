@@ -141,14 +141,14 @@ def ragged_attention(
     from kvgraph.kernels.ops import check_inputs
 
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
-    if not _state.get("ok"):
+    kernel = _state.get("kernel")
+    if kernel is None:
         with _lock:
             if not _state.get("ok"):
                 build()
                 _state["ok"] = True
+            kernel = _state["kernel"] = torch.ops.kvgraph_cpu.ragged_attention.default
     try:
-        return torch.ops.kvgraph_cpu.ragged_attention(
-            q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
-        )
+        return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
     except ValueError as e:
         raise CacheInputError(str(e)) from None

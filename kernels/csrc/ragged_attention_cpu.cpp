@@ -230,9 +230,18 @@ inline void accumulate(T* acc, T alpha, const T* p, const T* v, int64_t ld, int6
     for (int64_t c = 0; c < kChunks; ++c) a[c].store(acc + d + c * W);
   }
   for (; d + W <= D; d += W) {
-    Vec a = Vec::loadu(acc + d) * Vec(alpha);
-    for (int64_t j = 0; j < n; ++j) a = at::vec::fmadd(Vec(p[j]), Vec::loadu(v + j * ld + d), a);
-    a.store(acc + d);
+    // a short row: four keys in flight, so the FMAs do not wait on each other
+    Vec a0 = Vec::loadu(acc + d) * Vec(alpha), a1(T(0)), a2(T(0)), a3(T(0));
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const T* vj = v + j * ld + d;
+      a0 = at::vec::fmadd(Vec(p[j]), Vec::loadu(vj), a0);
+      a1 = at::vec::fmadd(Vec(p[j + 1]), Vec::loadu(vj + ld), a1);
+      a2 = at::vec::fmadd(Vec(p[j + 2]), Vec::loadu(vj + 2 * ld), a2);
+      a3 = at::vec::fmadd(Vec(p[j + 3]), Vec::loadu(vj + 3 * ld), a3);
+    }
+    for (; j < n; ++j) a0 = at::vec::fmadd(Vec(p[j]), Vec::loadu(v + j * ld + d), a0);
+    ((a0 + a1) + (a2 + a3)).store(acc + d);
   }
   for (; d < D; ++d) {
     T a = acc[d] * alpha;
@@ -282,6 +291,54 @@ struct WorkItem {
   int64_t b, s0, s1;  // sequence, its new tokens [s0, s1)
 };
 
+// One new token: rows are the G query heads of kv head h. Softmax in two passes over the whole
+// context (every score first, then one max and one exp pass, then V), so nothing is rescaled per
+// tile: a decode step's per-tile work is just the dot products and the V accumulation.
+template <typename scalar_t, typename A>
+void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& scores, A* kf, A* vf,
+                      const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b,
+                      int64_t h, int64_t layer, int64_t n_ctx) {
+  constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
+  const int64_t D = g.d;
+  if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
+  // runs of consecutive positions in one page (at most kKeyTile when converting into kf / vf)
+  auto run_end = [&](int64_t pos) {
+    return std::min({n_ctx, g.page_end(pos), kConvert ? pos + kKeyTile : n_ctx});
+  };
+  auto rows_of = [&](int64_t pos, int64_t n, int64_t kv, A* buf, int64_t& ld) -> const A* {
+    const scalar_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
+    if constexpr (kConvert) {
+      for (int64_t j = 0; j < n; ++j) at::vec::convert(src + j * g.stride_slot, buf + j * D, D);
+      ld = D;
+      return buf;
+    } else {
+      ld = g.stride_slot;
+      return src;
+    }
+  };
+  // -- pass 1: every score, page by page --
+  for (int64_t pos = 0; pos < n_ctx;) {
+    const int64_t n = run_end(pos) - pos;
+    int64_t ld;
+    const A* kt = rows_of(pos, n, 0, kf, ld);
+    for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, scores.data() + r * n_ctx + pos);
+    pos += n;
+  }
+  // -- pass 2: softmax numerators and their sums --
+  for (int64_t r = 0; r < rows; ++r) {
+    A* sr = scores.data() + r * n_ctx;
+    l[r] = exp_and_sum(sr, max_of(sr, n_ctx), n_ctx);
+  }
+  // -- pass 3: acc = sum_j p_j v_j, page by page --
+  for (int64_t pos = 0; pos < n_ctx;) {
+    const int64_t n = run_end(pos) - pos;
+    int64_t ld;
+    const A* vt = rows_of(pos, n, 1, vf, ld);
+    for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * D, A(1), scores.data() + r * n_ctx + pos, vt, ld, D, n);
+    pos += n;
+  }
+}
+
 // -- attend: rows (s, g) of kv head h over positions [0, cache_lengths[b] + s] --
 template <typename scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const Geometry& g,
@@ -300,7 +357,7 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
     // per-thread scratch: queries (pre-scaled), accumulators, running max and sum, scores,
     // and one K and one V tile gathered from its pages in the accumulation type
     std::vector<A> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max),
-        scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D);
+        scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D), context_scores;
     for (int64_t i = begin; i < end; ++i) {
       const WorkItem& item = items[i / g.hkv];
       const int64_t h = i % g.hkv, b = item.b, cached = cl[b];
@@ -315,7 +372,11 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
       std::fill_n(m.begin(), rows, -std::numeric_limits<A>::infinity());
       std::fill_n(l.begin(), rows, A(0));
       const int64_t kv_end = cached + item.s1;  // the block's last token sees positions < kv_end
-      for (int64_t pos = 0; pos < kv_end;) {
+      if (item.s1 - item.s0 == 1) {
+        attend_one_token(qf.data(), rows, acc.data(), l.data(), context_scores, kf.data(), vf.data(), blocks, g,
+                         lut, b, h, layer, kv_end);
+      }
+      for (int64_t pos = 0; item.s1 - item.s0 > 1 && pos < kv_end;) {
         // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
         //    the item has few rows or the page is long; otherwise the tile is gathered page by page
         //    (and converted from bf16/fp16) into a contiguous buffer, so per-tile work is amortized --

@@ -180,7 +180,7 @@ class LLM:
         ids = self._add_all(prompts, sampling)
         with self._aborting_on_exit(ids):
             while any(not self._requests[i].finished for i in ids):
-                events = self.step()
+                events = self.step(detokenize=on_step is not None)
                 if on_step is not None:
                     on_step(events)
         return [self._pop(i) for i in ids]
@@ -206,10 +206,11 @@ class LLM:
         for i in ids:
             self._requests.pop(i, None)
 
-    def step(self) -> list[TokenEvent]:
+    def step(self, *, detokenize: bool = True) -> list[TokenEvent]:
         """Schedule and run one batch (``num_steps`` decode steps for a batch of decodes).
 
-        Returns one event per generated token. On any exception (including
+        Returns one event per generated token, with the text it adds when ``detokenize`` and
+        the engine has a tokenizer (``None`` otherwise). On any exception (including
         ``KeyboardInterrupt``) the requests of the batch are aborted and their pages freed.
         """
         start = time.perf_counter()
@@ -224,7 +225,7 @@ class LLM:
             self._stats.aborted += len(out.entries)
             self.scheduler.abort_all([e.request for e in out.entries])
             raise
-        events = self._commit(out, run)
+        events = self._commit(out, run, detokenize)
         self._stats.record_step(
             len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps
         )
@@ -270,7 +271,7 @@ class LLM:
         self.manager.step(kv_requests)
         return run
 
-    def _commit(self, out: SchedulerOutput, run: _StepRun) -> list[TokenEvent]:
+    def _commit(self, out: SchedulerOutput, run: _StepRun, detokenize: bool) -> list[TokenEvent]:
         """Advance each request by what ran, append its sampled tokens, finish the ones that stop."""
         now = time.perf_counter()
         for entry in out.entries:
@@ -288,12 +289,12 @@ class LLM:
                 if reason is not None:
                     self.scheduler.finish(request, reason)
                     self._stats.finished += 1
-                events.append(self._event(request, token))
+                events.append(self._event(request, token, detokenize))
         return events
 
-    def _event(self, request: EngineRequest, token: int) -> TokenEvent:
+    def _event(self, request: EngineRequest, token: int, detokenize: bool) -> TokenEvent:
         text = None
-        if self.tokenizer is not None:
+        if detokenize and self.tokenizer is not None:
             if request.detokenizer is None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             text = request.detokenizer.delta(request.output_ids, final=request.finished)
