@@ -110,7 +110,7 @@ class LoweringPipeline:
         kv = step("add_kv_inputs", add_kv_inputs.run, gm, params)
         step("lower_attention", lower_attention.run, gm, analysis.sites, kv)
         pruned = step("prune_logits", prune_logits.run, gm, kv.input_row_offsets, analysis.token_count,
-                      self.prune_logits)
+                      self.prune_logits, analysis.device.type == "cpu")
         step("dce", verify.dce, gm)
         step("verify", verify.run, gm, analysis, kv)
         return LoweringResult(gm, True, None, params, kv.symbols, kv.names(), analysis.sites, pruned, timings)

@@ -10,6 +10,10 @@ A graph that already keeps only the last token (``x[:, -1:]``, ``x[:, [-1]]``, a
 and ``logits_to_keep=1`` do, or ``x[:, -1]``) would return one row for the whole flattened
 batch; that slice is replaced the same way (``x[:, -1]`` then gives ``[batch, V]``), and
 refused if pruning is disabled.
+
+On the CPU (``packed_projection=True``) the pruned projection becomes ``kvgraph::linear``
+(:mod:`kvgraph.kernels.linear`): the same product, with the weight packed once for oneDNN, which
+is about twice as fast as ``F.linear`` for the skinny GEMM of a decode step.
 """
 
 from __future__ import annotations
@@ -62,9 +66,15 @@ def find_logits(gm: torch.fx.GraphModule, token_count: int | torch.SymInt) -> li
 
 
 def run(
-    gm: torch.fx.GraphModule, input_row_offsets: Node, token_count: int | torch.SymInt, enabled: bool = True
+    gm: torch.fx.GraphModule,
+    input_row_offsets: Node,
+    token_count: int | torch.SymInt,
+    enabled: bool = True,
+    packed_projection: bool = False,
 ) -> bool:
     """Prune the logits to the last token of each sequence; returns whether any output was pruned.
+
+    ``packed_projection``: run each pruned projection as ``kvgraph::linear`` (for CPU graphs).
 
     With ``enabled=False`` nothing changes, but a graph that keeps only the last token of the
     flattened batch raises ``LoweringError`` (its output would be wrong for a ragged batch).
@@ -91,11 +101,23 @@ def run(
             if site.drops_token_dim:
                 new.append(graph.call_function(operator.getitem, (rows, 0)))  # [batch, C]
         site.linear.replace_input_with(site.linear.args[0], new[-1])
+        if packed_projection and site.linear.op == "call_function":
+            _to_packed_linear(site.linear)
         for node in (*new, *site.chain):
             _refresh(node, fake_mode)
     names = ", ".join(f"{s.linear.name} {tuple(meta_value(s.chain[-1]).shape)}" for s in sites)
     log_pass("prune_logits", start, f"pruned {names}" if sites else "no final linear on the outputs")
     return bool(sites)
+
+
+def _to_packed_linear(linear: Node) -> None:
+    """``linear(x, W[, b])`` -> ``kvgraph::linear(x, W, b)`` (the same product, oneDNN-packed on the CPU)."""
+    import kvgraph.kernels.linear  # noqa: F401  (registers torch.ops.kvgraph.linear)
+
+    x, weight, *rest = [*linear.args, *linear.kwargs.values()]
+    bias = rest[0] if rest else None
+    linear.target = torch.ops.kvgraph.linear.default
+    linear.args, linear.kwargs = (x, weight, bias), {}
 
 
 def _chain_to_linear(out: Node, output: Node) -> list[Node] | None:

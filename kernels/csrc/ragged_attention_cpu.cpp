@@ -339,13 +339,64 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   }
 }
 
+// Several new tokens: rows are (token s0 + r / G, query head of the group). Flash-style online
+// softmax over tiles of up to kKeyTile keys; a row skips the tiles past its causal limit.
+template <typename scalar_t, typename A>
+void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* scores, A* kf, A* vf,
+                  const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b, int64_t h,
+                  int64_t layer, int64_t cached, int64_t s0, int64_t kv_end) {
+  constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
+  const int64_t D = g.d;
+  for (int64_t pos = 0; pos < kv_end;) {
+    // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
+    //    the item has few rows or the page is long; otherwise the tile is gathered page by page
+    //    (and converted from bf16/fp16) into a contiguous buffer, so per-tile work is amortized --
+    const bool in_place = !kConvert && (rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
+    const int64_t n = std::min({kv_end, pos + kKeyTile, in_place ? g.page_end(pos) : kv_end}) - pos;
+    const A* kt;
+    const A* vt;
+    int64_t ld;
+    if (in_place) {
+      kt = reinterpret_cast<const A*>(blocks + g.offset(lut, b, pos, 0, layer) + h * D);
+      vt = reinterpret_cast<const A*>(blocks + g.offset(lut, b, pos, 1, layer) + h * D);
+      ld = g.stride_slot;
+    } else {
+      for (int64_t j = 0; j < n;) {
+        const int64_t run = std::min(n, g.page_end(pos + j) - pos) - j;  // rows left in this page
+        const scalar_t* k_row = blocks + g.offset(lut, b, pos + j, 0, layer) + h * D;
+        const scalar_t* v_row = blocks + g.offset(lut, b, pos + j, 1, layer) + h * D;
+        for (int64_t i = 0; i < run; ++i, ++j) {
+          at::vec::convert(k_row + i * g.stride_slot, kf + j * D, D);
+          at::vec::convert(v_row + i * g.stride_slot, vf + j * D, D);
+        }
+      }
+      kt = kf, vt = vf, ld = D;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // row r may see positions <= cached + s; skip the tile if it starts past that
+      const int64_t visible = std::min(n, cached + s0 + r / G + 1 - pos);
+      if (visible <= 0) continue;
+      A* sr = scores;
+      dots(qf + r * D, kt, ld, D, visible, sr);
+      const A tile_max = max_of(sr, visible);
+      // -- online softmax: rescale what was accumulated to the new running max --
+      const A m_new = std::max(m[r], tile_max);
+      const A alpha = std::exp(m[r] - m_new);
+      const A tile_sum = exp_and_sum(sr, m_new, visible);
+      accumulate(acc + r * D, alpha, sr, vt, ld, D, visible);
+      l[r] = l[r] * alpha + tile_sum;
+      m[r] = m_new;
+    }
+    pos += n;
+  }
+}
+
 // -- attend: rows (s, g) of kv head h over positions [0, cache_lengths[b] + s] --
 template <typename scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const Geometry& g,
             const std::vector<WorkItem>& items, const int32_t* offs, const int32_t* cl,
             const int32_t* lut, int64_t layer, double scale) {
   using A = acc_t<scalar_t>;
-  constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
   const int64_t hq = q.size(1), D = g.d, G = hq / g.hkv;
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
   const int64_t sq_t = q.stride(0), sq_h = q.stride(1);
@@ -375,48 +426,9 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
       if (item.s1 - item.s0 == 1) {
         attend_one_token(qf.data(), rows, acc.data(), l.data(), context_scores, kf.data(), vf.data(), blocks, g,
                          lut, b, h, layer, kv_end);
-      }
-      for (int64_t pos = 0; item.s1 - item.s0 > 1 && pos < kv_end;) {
-        // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
-        //    the item has few rows or the page is long; otherwise the tile is gathered page by page
-        //    (and converted from bf16/fp16) into a contiguous buffer, so per-tile work is amortized --
-        const bool in_place = !kConvert && (rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
-        const int64_t n = std::min({kv_end, pos + kKeyTile, in_place ? g.page_end(pos) : kv_end}) - pos;
-        const A* kt;
-        const A* vt;
-        int64_t ld;
-        if (in_place) {
-          kt = reinterpret_cast<const A*>(blocks + g.offset(lut, b, pos, 0, layer) + h * D);
-          vt = reinterpret_cast<const A*>(blocks + g.offset(lut, b, pos, 1, layer) + h * D);
-          ld = g.stride_slot;
-        } else {
-          for (int64_t j = 0; j < n;) {
-            const int64_t run = std::min(n, g.page_end(pos + j) - pos) - j;  // rows left in this page
-            const scalar_t* k_row = blocks + g.offset(lut, b, pos + j, 0, layer) + h * D;
-            const scalar_t* v_row = blocks + g.offset(lut, b, pos + j, 1, layer) + h * D;
-            for (int64_t i = 0; i < run; ++i, ++j) {
-              at::vec::convert(k_row + i * g.stride_slot, kf.data() + j * D, D);
-              at::vec::convert(v_row + i * g.stride_slot, vf.data() + j * D, D);
-            }
-          }
-          kt = kf.data(), vt = vf.data(), ld = D;
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          // row r may see positions <= cached + s; skip the tile if it starts past that
-          const int64_t visible = std::min(n, cached + item.s0 + r / G + 1 - pos);
-          if (visible <= 0) continue;
-          A* sr = scores.data();
-          dots(qf.data() + r * D, kt, ld, D, visible, sr);
-          const A tile_max = max_of(sr, visible);
-          // -- online softmax: rescale what was accumulated to the new running max --
-          const A m_new = std::max(m[r], tile_max);
-          const A alpha = std::exp(m[r] - m_new);
-          const A tile_sum = exp_and_sum(sr, m_new, visible);
-          accumulate(acc.data() + r * D, alpha, sr, vt, ld, D, visible);
-          l[r] = l[r] * alpha + tile_sum;
-          m[r] = m_new;
-        }
-        pos += n;
+      } else {
+        attend_block(qf.data(), rows, G, acc.data(), m.data(), l.data(), scores.data(), kf.data(), vf.data(),
+                     blocks, g, lut, b, h, layer, cached, item.s0, kv_end);
       }
       // -- write out: every row saw at least its own token, so l > 0 --
       for (int64_t r = 0; r < rows; ++r) {

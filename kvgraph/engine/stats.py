@@ -84,6 +84,8 @@ class EngineStats:
             "decode_tokens": self.decode_tokens,
             "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_time_s),
             "decode_tokens_per_s": _rate(self.decode_tokens, self.decode_time_s),
+            "prefill_time_s": self.prefill_time_s,
+            "decode_time_s": self.decode_time_s,
             "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
             "kv_pages_used": self.kv_pages_used,
             "kv_pages_free": self.kv_pages_total - self.kv_pages_used,

@@ -56,6 +56,24 @@ def test_hf_logits_become_one_row_per_sequence(llama_sdpa):
     shape = meta_value(logits).shape
     assert shape[0] == 1 and shape[1].node.expr == batch.node.expr and shape[2] == VOCAB
     assert count_calls(gm, "index_select") == 1
+    # on the CPU the pruned projection is kvgraph::linear (oneDNN, prepacked weight)
+    projection = logits.args[0] if logits.op == "call_function" and "linear" not in str(logits.target) else logits
+    assert projection.target is torch.ops.kvgraph.linear.default
+    assert count_calls(gm, "linear.default") == 1
+
+
+def test_the_projection_stays_f_linear_when_not_packed(llama_sdpa):
+    gm = llama_sdpa.fresh()
+    result = lower(gm)
+    assert result.logits_pruned
+    plain = llama_sdpa.fresh()
+    from kvgraph.passes import add_kv_inputs, find_attention, lower_attention
+
+    analysis = find_attention.run(plain, None)
+    kv = add_kv_inputs.run(plain, result.params)
+    lower_attention.run(plain, analysis.sites, kv)
+    assert prune_logits.run(plain, kv.input_row_offsets, analysis.token_count, True, packed_projection=False)
+    assert count_calls(plain, "linear.default") == 0
 
 
 @pytest.mark.parametrize("kind", ["last", "last_slice", "last_index", "softcap"])
