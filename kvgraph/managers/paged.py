@@ -106,6 +106,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._prefix_caching = params.enable_prefix_caching
         self._prompt_tokens = 0  # tokens of first steps looked up in the prefix cache
         self._cached_prompt_tokens = 0  # of those, tokens served from it
+        # prefix matches while the pool stays as it is: a scheduler asks can_fetch for a growing
+        # batch, which plans every first fetch in it again; cleared whenever the pool changes
+        self._matches: dict[tuple[int, ...], PrefixMatch] = {}
 
     # -- pool figures --
     @property
@@ -144,6 +147,7 @@ class PagedKVCacheManager(KVCacheManager):
         return PagedSequence(seq_id)
 
     def _free_sequence(self, seq: PagedSequence) -> None:
+        self._matches.clear()
         self._pool.free(reversed(seq.pages))
         seq.pages = []
 
@@ -159,6 +163,7 @@ class PagedKVCacheManager(KVCacheManager):
                 f"batch of {len(plans)} needs {need} new pages; {short} more than the pool can give "
                 f"({self._pool.num_free} free of {self._pool.num_pages}, page_size={self.page_size})"
             )
+        self._matches.clear()
         pool = self._pool
         for p in plans:
             pool.free(p.drop)
@@ -199,6 +204,8 @@ class PagedKVCacheManager(KVCacheManager):
             self._cached_prompt_tokens += req.cached_tokens
         P = self.page_size
         seq.tokens.extend(int(t) for t in req.tokens[req.cached_tokens :])
+        if len(seq.hashes) < len(seq.tokens) // P:
+            self._matches.clear()
         while len(seq.hashes) < len(seq.tokens) // P:
             i = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
@@ -226,7 +233,11 @@ class PagedKVCacheManager(KVCacheManager):
         if not self._prefix_caching or len(tokens) < 2:
             return PrefixMatch()
         limit = len(tokens) - 1
-        return self._pool.match([int(t) for t in tokens[:limit]], limit)
+        key = tuple(map(int, tokens[:limit]))
+        match = self._matches.get(key)
+        if match is None:
+            match = self._matches[key] = self._pool.match(key, limit)
+        return match
 
     def _pages_short(self, plans: list[_Plan]) -> int:
         """How many pages the pool lacks to carry out ``plans`` (0: they fit).
