@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -65,6 +66,8 @@ def build() -> None:
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if "c++" in missing and shutil.which(os.environ.get("CXX", "g++")) is not None:
         missing.remove("c++")
+    if "ninja" in missing and _put_pip_ninja_on_path():
+        missing.remove("ninja")
     if missing:
         raise CppKernelError(
             f"cannot build the C++ CPU attention kernel: {' and '.join(missing)} not found on PATH "
@@ -85,6 +88,21 @@ def build() -> None:
         )
     except Exception as e:  # the compiler's or loader's message, whatever its type
         raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
+
+
+def _put_pip_ninja_on_path() -> bool:
+    """Put the ``ninja`` of the ``ninja`` pip package (a dependency of kvgraph) on ``PATH``, where
+    ``torch.utils.cpp_extension`` looks for it: an un-activated virtualenv's ``bin`` is not there."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(bin_dir, "ninja")):
+        return False
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return True
 
 
 def available() -> bool:
