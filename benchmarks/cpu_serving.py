@@ -82,6 +82,8 @@ def main() -> None:
     model, tokenizer = load_preset(args.model)
     llm = build(model, tokenizer, args)
     tiny = sum(p.numel() for p in llm.model.parameters()) < 10_000_000
+    llm.warmup()
+    graphs_after_warmup = llm.stats()["compiled_graphs"]
     report = {
         "model": args.model, "dtype": str(llm.params.dtype), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "repeats": args.repeats, "workloads": {},
@@ -123,6 +125,8 @@ def main() -> None:
         row["targets"] = TINY_TARGET if tiny else TARGETS[name]
         report["workloads"][name] = row
         log(json.dumps({name: row}))
+    report["compiled_graphs_after_warmup"] = graphs_after_warmup
+    report["recompiles_after_warmup"] = llm.stats()["compiled_graphs"] - graphs_after_warmup
     print(json.dumps(report, indent=2))
 
 

@@ -164,7 +164,7 @@ def agreement_text(a: dict) -> str:
         return text
     tie = a["within_rounding"]
     text += (f"; {tie} part where both tokens' logits are within {NOISE_FACTOR:g}x the model's own rounding "
-             f"error of the best, {len(divergences) - tie} otherwise")
+             f"error (or one ulp) of the best, {len(divergences) - tie} otherwise")
     worst = next((d for d in divergences if not d["within_rounding"]), None)
     if worst is not None:
         text += (f" (request {worst['request']} token {worst['token']}: kvgraph {worst['ours']}, "

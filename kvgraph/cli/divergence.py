@@ -7,18 +7,27 @@ two round differently. :func:`explain` checks this for every mismatched request.
 model eagerly on the prompt plus the tokens both systems agree on, in the dtype both ran and in
 float64, and takes the model's rounding error there as ``noise``: the largest difference between
 the two sets of logits. The divergence is *within rounding* when both systems' tokens have
-logits within ``2 * noise`` (each system has its own rounding) of the best logit. In float32
-the noise is about 1e-6, so a float32 mismatch is practically never explained away.
+logits within ``2 * noise`` (each system has its own rounding) of the best logit, or within one
+unit in the last place of the best logit in the run dtype (logits one ulp apart are as close as
+that dtype can tell apart). In float32 both bounds are about 1e-6, so a float32 mismatch is
+practically never explained away.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 NOISE_FACTOR = 2.0
 """A token counts as tied with the best when its logit is within this many times the rounding error."""
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """One unit in the last place of ``value`` in ``dtype`` (``torch.finfo(dtype).eps`` scaled to its binade)."""
+    info = torch.finfo(dtype)
+    return info.eps * 2.0 ** math.floor(math.log2(max(abs(value), info.tiny)))
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -49,10 +58,11 @@ def explain(
         exact: the same model in float64 (default: a float64 copy of ``model``, made only if needed).
 
     Returns:
-        ``[{"request", "token", "ours", "theirs", "best", "gap_ours", "gap_theirs", "noise",
+        ``[{"request", "token", "ours", "theirs", "best", "gap_ours", "gap_theirs", "noise", "bound",
         "within_rounding"}]``: gaps are the best logit minus that token's logit, in the model's dtype.
     """
     device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
     out = []
     for i, (prompt, a, b) in enumerate(zip(prompts, ours, theirs, strict=True)):
         at = first_divergence(a, b)
@@ -67,9 +77,10 @@ def explain(
         ours_token = a[at] if at < len(a) else None
         theirs_token = b[at] if at < len(b) else None
         gaps = [None if t is None else best - float(logits[t]) for t in (ours_token, theirs_token)]
+        bound = max(NOISE_FACTOR * noise, ulp(best, dtype))
         out.append({
             "request": i, "token": at, "ours": ours_token, "theirs": theirs_token, "best": int(logits.argmax()),
-            "gap_ours": gaps[0], "gap_theirs": gaps[1], "noise": noise,
-            "within_rounding": all(g is not None and g <= NOISE_FACTOR * noise for g in gaps),
+            "gap_ours": gaps[0], "gap_theirs": gaps[1], "noise": noise, "bound": bound,
+            "within_rounding": all(g is not None and g <= bound for g in gaps),
         })
     return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgraph.cli.bench import agreement_text
-from kvgraph.cli.divergence import explain, first_divergence
+from kvgraph.cli.divergence import explain, first_divergence, ulp
 
 
 class _FixedLogits(torch.nn.Module):
@@ -28,6 +28,23 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_ulp_of_common_dtypes():
+    assert ulp(9.5, torch.bfloat16) == 2.0**-4
+    assert ulp(1.0, torch.float32) == 2.0**-23
+    assert ulp(-3.0, torch.float16) == 2.0**-9
+
+
+def test_a_gap_of_one_ulp_is_within_rounding_even_with_little_noise():
+    # best 4.25: one bf16 ulp is 2**-5; the measured noise alone (0.01) would not cover it
+    model = _FixedLogits({2: [4.25, 4.25 - 2.0**-5, 1.0]})
+    exact = _FixedLogits({2: [4.25, 4.25 - 2.0**-5 + 0.01, 1.0]}, torch.float64)
+    [d] = explain(model, [[7, 7]], [[1]], [[0]], exact=exact)
+    assert d["bound"] == 2.0**-5 and d["within_rounding"]
+    two_ulps = _FixedLogits({2: [4.25, 4.25 - 2.0**-4, 1.0]})
+    close = _FixedLogits({2: [4.25, 4.25 - 2.0**-4 + 0.01, 1.0]}, torch.float64)
+    assert not explain(two_ulps, [[7, 7]], [[1]], [[0]], exact=close)[0]["within_rounding"]
 
 
 def test_a_gap_below_the_rounding_error_is_within_rounding():
