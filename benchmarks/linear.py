@@ -41,6 +41,7 @@ def main() -> None:
     weight = torch.randn(args.vocab, args.hidden, generator=g)
     results = []
     with torch.inference_mode():
+        onednn = packed.uses_onednn(weight[:1], weight)
         for rows in (1, 8, 32, 64, 512):
             x = torch.randn(rows, args.hidden, generator=g)
             plain = median_ms(lambda x=x: F.linear(x, weight), args.repeats)
@@ -52,7 +53,7 @@ def main() -> None:
             })
     print(json.dumps({
         "vocab": args.vocab, "hidden": args.hidden, "threads": torch.get_num_threads(),
-        "onednn": packed.uses_onednn(x, weight), "results": results,
+        "onednn": onednn, "max_packed_rows": packed.MAX_PACKED_ROWS, "results": results,
     }, indent=2))
 
 

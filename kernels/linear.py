@@ -17,6 +17,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+MAX_PACKED_ROWS = 256  # past this (a prefill-sized GEMM) MKL's F.linear is as fast or faster
 PACKED_DTYPES = (torch.float32,)  # oneDNN's bf16 linear needs AVX512-BF16 or AMX
 
 _LIB = torch.library.Library("kvgraph", "FRAGMENT")
@@ -53,9 +54,9 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @torch.library.impl(_LIB, "linear", "CPU")
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not uses_onednn(x, weight):
-        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # [N, C]
+    if rows.shape[0] > MAX_PACKED_ROWS or not uses_onednn(x, weight):
+        return F.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight(weight), bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 

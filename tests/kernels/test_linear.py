@@ -56,3 +56,9 @@ def test_fake_impl_gives_the_shape():
     with FakeTensorMode():
         out = torch.ops.kvgraph.linear(torch.empty(1, 5, 16), torch.empty(11, 16), None)
     assert out.shape == (1, 5, 11)
+
+
+def test_prefill_sized_inputs_run_f_linear():
+    x, w = torch.randn(L.MAX_PACKED_ROWS + 1, 16), torch.randn(11, 16)
+    with torch.inference_mode():
+        assert torch.equal(L.linear(x, w), F.linear(x, w))
