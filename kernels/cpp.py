@@ -114,20 +114,30 @@ def available() -> bool:
     wanted = choice()
     if wanted == "sdpa":
         return False
-    with _lock:
-        if "ok" not in _state:
-            try:
+    if "ok" not in _state:
+        try:
+            _kernel()
+        except CppKernelError as e:
+            _state["ok"], _state["error"] = False, e
+            if wanted == "auto":
+                message = f"{e}; kvgraph falls back to the slower SDPA attention path on the CPU"
+                logger.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if not _state["ok"] and wanted == "cpp":
+        raise CppKernelError(str(_state["error"]))
+    return bool(_state["ok"])
+
+
+def _kernel():
+    """``torch.ops.kvgraph_cpu.ragged_attention.default``, built and loaded once per process."""
+    kernel = _state.get("kernel")
+    if kernel is None:
+        with _lock:
+            if "kernel" not in _state:
                 build()
-                _state["ok"] = True
-            except CppKernelError as e:
-                _state["ok"], _state["error"] = False, e
-                if wanted == "auto":
-                    message = f"{e}; kvgraph falls back to the slower SDPA attention path on the CPU"
-                    logger.warning(message)
-                    warnings.warn(message, RuntimeWarning, stacklevel=2)
-        if not _state["ok"] and wanted == "cpp":
-            raise CppKernelError(str(_state["error"]))
-        return bool(_state["ok"])
+                _state["ok"], _state["kernel"] = True, torch.ops.kvgraph_cpu.ragged_attention.default
+            kernel = _state["kernel"]
+    return kernel
 
 
 def ragged_attention(
@@ -159,13 +169,7 @@ def ragged_attention(
     from kvgraph.kernels.ops import check_inputs
 
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
-    kernel = _state.get("kernel")
-    if kernel is None:
-        with _lock:
-            if not _state.get("ok"):
-                build()
-                _state["ok"] = True
-            kernel = _state["kernel"] = torch.ops.kvgraph_cpu.ragged_attention.default
+    kernel = _kernel()
     try:
         return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
     except ValueError as e:
