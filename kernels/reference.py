@@ -158,7 +158,7 @@ def store_kv(
         layer_idx: the layer to write.
     """
     collection = collection_for(cache) if isinstance(cache, RaggedKVCacheInputs) else cache
-    cache_lengths = collection.inputs.cache_lengths.to(k.device)
+    cache_lengths = collection.cache_lengths.to(k.device)
     batch_idx, new_idx = token_positions(cache_lengths, input_row_offsets.to(k.device), k.shape[0])
     pos = cache_lengths.long()[batch_idx] + new_idx
     collection.get_key_cache(layer_idx).store(batch_idx, pos, k)

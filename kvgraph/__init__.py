@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "kvgraph.errors": [
         "KVCacheError", "InvalidParamsError", "UnknownSequenceError", "DuplicateSequenceError",
-        "NoFreeSlotsError", "BatchSizeError", "SequenceLengthError", "CacheInputError",
+        "NoFreeSlotsError", "BatchSizeError", "BatchTypeError", "SequenceLengthError", "CacheInputError",
         "StepError", "OutOfPagesError", "BindingError", "LoweringError",
     ],
     "kvgraph.params": ["KVCacheParams", "KVCacheStrategy"],

@@ -1,6 +1,8 @@
 """Views over one batch's KV cache (MAX's ``ContinuousBatchingKVCacheCollection`` / ``PagedKVCache``).
 
-A collection wraps one :class:`~kvgraph.inputs.RaggedKVCacheInputs` and owns nothing:
+A collection is built as MAX's, ``(blocks, cache_lengths, lookup_table, max_seq_length,
+max_cache_length)``, or from one step's :class:`~kvgraph.inputs.RaggedKVCacheInputs` with
+``from_inputs``. It owns nothing:
 ``get_key_cache(layer)`` / ``get_value_cache(layer)`` return per-layer views whose
 ``blocks`` is a strided view into the shared ``blocks`` tensor, so ``store`` writes
 the cache in place. Unlike MAX's scalar ``load``/``store``, these are vectorised
@@ -190,13 +192,28 @@ class ContinuousBatchingKVCache(_LayerCache):
 
 
 class _Collection:
-    """All layers of one batch's cache; ``inputs.blocks`` is ``[N, 2, num_layers, rows, Hkv, D]``."""
+    """All layers of one batch's cache.
+
+    Attributes:
+        blocks: ``[N, 2, num_layers, rows, Hkv, D]`` (the manager's tensor, not a copy).
+        cache_lengths: ``int32 [batch]``: tokens cached before this step.
+        lookup_table: ``int32``; paged ``[batch, max_num_pages]``, continuous ``[batch]``.
+        max_seq_length: most new tokens of any sequence in the step.
+        max_cache_length: most cached + new tokens of any sequence in the step.
+    """
 
     cache_type: type[_LayerCache]
     lookup_rank: int
 
-    def __init__(self, inputs: RaggedKVCacheInputs) -> None:
-        blocks, lookup = inputs.blocks, inputs.lookup_table
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        cache_lengths: torch.Tensor,
+        lookup_table: torch.Tensor,
+        max_seq_length: int,
+        max_cache_length: int,
+    ) -> None:
+        lookup = lookup_table
         if blocks.dim() != 6 or blocks.shape[1] != 2:
             raise CacheInputError(
                 f"blocks must be [N, 2, num_layers, rows, Hkv, D], got shape {tuple(blocks.shape)}"
@@ -206,28 +223,43 @@ class _Collection:
                 f"{type(self).__name__} needs a lookup_table of rank {self.lookup_rank}, "
                 f"got rank {lookup.dim()} (shape {tuple(lookup.shape)})"
             )
+        if cache_lengths.dim() != 1 or cache_lengths.shape[0] != lookup.shape[0]:
+            raise CacheInputError(
+                f"cache_lengths must be [batch] with the lookup_table's batch {lookup.shape[0]}, "
+                f"got shape {tuple(cache_lengths.shape)}"
+            )
+        self.blocks = blocks
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+        self.max_seq_length = int(max_seq_length)
+        self.max_cache_length = int(max_cache_length)
+
+    @classmethod
+    def from_inputs(cls, inputs: RaggedKVCacheInputs) -> _Collection:
+        """The collection over one step's inputs; ``max_lengths`` row 0 gives the two maxima."""
         max_lengths = inputs.max_lengths
         if max_lengths.dim() != 2 or max_lengths.shape[0] < 1 or max_lengths.shape[1] != 2:
             raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
-        self.inputs = inputs
-        self.max_seq_length = int(max_lengths[0, 0])
-        self.max_cache_length = int(max_lengths[0, 1])
+        return cls(
+            inputs.blocks, inputs.cache_lengths, inputs.lookup_table,
+            int(max_lengths[0, 0]), int(max_lengths[0, 1]),
+        )
 
     @property
     def num_layers(self) -> int:
-        return self.inputs.blocks.shape[2]
+        return self.blocks.shape[2]
 
     @property
     def batch_size(self) -> int:
-        return self.inputs.cache_lengths.shape[0]
+        return self.cache_lengths.shape[0]
 
     def _layer(self, layer_idx: int, kv: int) -> _LayerCache:
         if not 0 <= layer_idx < self.num_layers:
             raise CacheInputError(f"layer_idx {layer_idx} out of range: the cache has {self.num_layers} layers")
         return self.cache_type(
-            self.inputs.blocks[:, kv, layer_idx],
-            self.inputs.cache_lengths,
-            self.inputs.lookup_table,
+            self.blocks[:, kv, layer_idx],
+            self.cache_lengths,
+            self.lookup_table,
             self.max_seq_length,
             self.max_cache_length,
         )
@@ -242,7 +274,7 @@ class _Collection:
 
     def cache_length(self, batch_idx: int) -> int:
         """Tokens of batch entry ``batch_idx`` cached before this step."""
-        return int(self.inputs.cache_lengths[batch_idx])
+        return int(self.cache_lengths[batch_idx])
 
 
 class PagedKVCacheCollection(_Collection):
@@ -263,9 +295,9 @@ def collection_for(inputs: RaggedKVCacheInputs) -> PagedKVCacheCollection | Cont
     """The collection class that matches ``inputs.lookup_table``'s rank (2: paged, 1: continuous)."""
     rank = inputs.lookup_table.dim()
     if rank == 2:
-        return PagedKVCacheCollection(inputs)
+        return PagedKVCacheCollection.from_inputs(inputs)
     if rank == 1:
-        return ContinuousBatchingKVCacheCollection(inputs)
+        return ContinuousBatchingKVCacheCollection.from_inputs(inputs)
     raise CacheInputError(
         f"lookup_table must have rank 2 (paged) or 1 (continuous), got rank {rank} "
         f"(shape {tuple(inputs.lookup_table.shape)})"

@@ -69,7 +69,7 @@ def occupancy(manager: KVCacheManager) -> str:
     if manager.params.is_paged:
         total, free = manager.total_pages, manager.free_pages
         return f"  pages used {total - free}/{total}, free {free}"
-    used = manager.max_batch_size - manager.slots_remaining
+    used = manager.num_claimed
     return f"  slots used {used}/{manager.max_batch_size}"
 
 

@@ -28,6 +28,10 @@ class NoFreeSlotsError(KVCacheError):
     """``claim`` asked for more sequences than ``slots_remaining``."""
 
 
+class BatchTypeError(KVCacheError, TypeError):
+    """A batch (or one of its elements) of the wrong type, e.g. a bare seq_id for a ``KVRequest``."""
+
+
 class BatchSizeError(KVCacheError):
     """A batch larger than ``max_batch_size`` (or empty where one is required)."""
 

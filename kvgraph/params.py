@@ -17,6 +17,8 @@ class KVCacheStrategy(str, enum.Enum):
     """One contiguous ``max_seq_len`` slot per sequence."""
     PAGED = "paged"
     """Fixed-size pages from a shared pool, mapped through a lookup table."""
+    MODEL_DEFAULT = "model_default"
+    """The model's natural strategy; ``KVCacheParams`` resolves it to ``PAGED``."""
 
     @classmethod
     def parse(cls, value: KVCacheStrategy | str) -> KVCacheStrategy:
@@ -35,8 +37,10 @@ class KVCacheStrategy(str, enum.Enum):
 class KVCacheParams:
     """Static description of a KV cache.
 
-    Unlike MAX, the layer count lives here, so a manager is built as
-    ``Manager(params, max_batch_size, max_seq_len, ...)``.
+    Unlike MAX, the layer count and the device live here too; a manager's ``num_layers`` and
+    ``devices`` arguments, when given, must agree with them. ``cache_strategy=MODEL_DEFAULT``
+    resolves to ``PAGED``. With ``n_devices > 1`` (tensor parallelism) each device holds
+    ``n_kv_heads_per_device = n_kv_heads // n_devices`` heads of every token.
     """
 
     dtype: torch.dtype
@@ -47,16 +51,24 @@ class KVCacheParams:
     cache_strategy: KVCacheStrategy = KVCacheStrategy.PAGED
     enable_prefix_caching: bool = False
     device: torch.device | str = "cpu"
+    n_devices: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
+        strategy = KVCacheStrategy.parse(self.cache_strategy)
+        if strategy is KVCacheStrategy.MODEL_DEFAULT:
+            strategy = KVCacheStrategy.PAGED
+        object.__setattr__(self, "cache_strategy", strategy)
         object.__setattr__(self, "device", torch.device(self.device))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise InvalidParamsError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
-        for name in ("n_kv_heads", "head_dim", "num_layers"):
+        for name in ("n_kv_heads", "head_dim", "num_layers", "n_devices"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidParamsError(f"{name} must be a positive int, got {value!r}")
+        if self.n_kv_heads % self.n_devices:
+            raise InvalidParamsError(
+                f"n_kv_heads={self.n_kv_heads} does not split across n_devices={self.n_devices}"
+            )
         if self.cache_strategy is KVCacheStrategy.PAGED:
             if self.page_size is None:
                 raise InvalidParamsError("page_size is required for the PAGED strategy, got None")
@@ -68,12 +80,17 @@ class KVCacheParams:
             )
 
     @property
+    def n_kv_heads_per_device(self) -> int:
+        """KV heads each device holds: ``n_kv_heads // n_devices``."""
+        return self.n_kv_heads // self.n_devices
+
+    @property
     def dtype_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers."""
+        """Bytes of K and V for one token over all layers (and all devices)."""
         return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
 
     @property

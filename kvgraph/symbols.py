@@ -123,12 +123,14 @@ class _SymbolSet:
         return list(zip(self.names(), self, strict=True))
 
 
-@dataclass(frozen=True)
 class KVCacheInputSymbols(_SymbolSet):
-    """Base class of the typed KV inputs a manager adds to a graph."""
+    """Base class of the typed KV inputs a manager adds to a graph.
+
+    As in MAX, a concrete set is a ``@dataclass`` subclass whose fields are ``TensorType``s.
+    """
 
 
-@dataclass(frozen=True)
+@dataclass
 class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
     """``kv_blocks``, ``cache_lengths [batch]``, ``lookup_table``, ``max_lengths [steps, 2]`` (CPU)."""
 
@@ -138,7 +140,7 @@ class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
     max_lengths: TensorType
 
 
-@dataclass(frozen=True)
+@dataclass
 class PaddedKVCacheInputSymbols(KVCacheInputSymbols):
     """Padded (non-ragged) cache inputs: separate K and V caches and the start position."""
 

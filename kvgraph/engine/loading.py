@@ -164,7 +164,7 @@ def make_manager(
     if kv_cache_memory is None:
         return load_kv_manager(params, max_batch_size, max_seq_len)
     if params.is_paged:
-        return load_kv_manager(params, max_batch_size, max_seq_len, cache_memory=kv_cache_memory)
+        return load_kv_manager(params, max_batch_size, max_seq_len, available_cache_memory=kv_cache_memory)
     need = max_batch_size * max_seq_len * params.bytes_per_token
     if kv_cache_memory < need:
         raise InvalidParamsError(

@@ -155,7 +155,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in order while the budget, the batch and the cache allow."""
         while self.waiting and budget > 0 and len(out.entries) < self.max_batch_size:
-            if self.manager.slots_remaining <= 0:
+            if not self.manager.slots_remaining:
                 break
             request = self.waiting[0]
             # the prefix cache serves `hit` tokens for free: the first chunk starts after them

@@ -116,7 +116,7 @@ def cache_usage(manager: KVCacheManager) -> tuple[int, int, int]:
     if isinstance(manager, PagedKVCacheManager):
         return manager.total_pages - manager.free_pages, manager.total_pages, params.page_bytes
     slot_bytes = manager.max_seq_len * params.bytes_per_token
-    return manager.max_batch_size - manager.slots_remaining, manager.max_batch_size, slot_bytes
+    return manager.num_claimed, manager.max_batch_size, slot_bytes
 
 
 def occupancy(manager: KVCacheManager, running: Sequence[EngineRequest]) -> tuple[int, int]:

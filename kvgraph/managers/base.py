@@ -12,12 +12,13 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvgraph.errors import (
     BatchSizeError,
+    BatchTypeError,
     CacheInputError,
     DuplicateSequenceError,
     InvalidParamsError,
@@ -34,15 +35,19 @@ from kvgraph.symbols import RaggedKVCacheInputSymbols, TensorType
 INDEX_DTYPE = torch.int32  # MAX uses uint32; torch has little uint32 support.
 
 
-def ragged_input_symbols(params: KVCacheParams) -> RaggedKVCacheInputSymbols:
-    """The typed graph inputs of a ragged cache with ``params``.
+def ragged_input_symbols(
+    params: KVCacheParams, device: torch.device | str | None = None
+) -> RaggedKVCacheInputSymbols:
+    """The typed graph inputs of one device of a ragged cache with ``params``.
 
     Paged: ``kv_blocks [total_num_pages, 2, L, page_size, H, D]``,
     ``lookup_table [batch_size, max_num_pages]``. Continuous:
     ``kv_blocks [max_batch_size, 2, L, max_seq_len, H, D]``, ``lookup_table [batch_size]``.
     Both: ``cache_lengths [batch_size]``, ``max_lengths [steps_remaining, 2]`` on the CPU.
+    ``H`` is ``params.n_kv_heads_per_device``; ``device`` defaults to ``params.device``.
     """
-    L, H, D = params.num_layers, params.n_kv_heads, params.head_dim
+    L, H, D = params.num_layers, params.n_kv_heads_per_device, params.head_dim
+    device = params.device if device is None else torch.device(device)
     if params.cache_strategy is KVCacheStrategy.PAGED:
         blocks = ("total_num_pages", 2, L, params.page_size, H, D)
         lookup = ("batch_size", "max_num_pages")
@@ -50,9 +55,9 @@ def ragged_input_symbols(params: KVCacheParams) -> RaggedKVCacheInputSymbols:
         blocks = ("max_batch_size", 2, L, "max_seq_len", H, D)
         lookup = ("batch_size",)
     return RaggedKVCacheInputSymbols(
-        kv_blocks=TensorType(params.dtype, blocks, params.device),
-        cache_lengths=TensorType(INDEX_DTYPE, ("batch_size",), params.device),
-        lookup_table=TensorType(INDEX_DTYPE, lookup, params.device),
+        kv_blocks=TensorType(params.dtype, blocks, device),
+        cache_lengths=TensorType(INDEX_DTYPE, ("batch_size",), device),
+        lookup_table=TensorType(INDEX_DTYPE, lookup, device),
         max_lengths=TensorType(INDEX_DTYPE, ("steps_remaining", 2), "cpu"),
     )
 
@@ -70,6 +75,37 @@ def check_memory(available_cache_memory: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidParamsError(f"available_cache_memory must be a non-negative int, got {value!r}")
     return value
+
+
+def check_layers_and_devices(
+    params: KVCacheParams, num_layers: object, devices: object
+) -> list[torch.device]:
+    """The devices of a cache with ``params`` (MAX's ``num_layers`` and ``devices`` arguments).
+
+    ``num_layers`` (``None``: ``params.num_layers``) must equal ``params.num_layers``.
+    ``devices`` is a list of ``params.n_devices`` torch devices (or device strings); ``None``
+    means ``[params.device]`` for a one-device cache. Raises ``InvalidParamsError`` otherwise.
+    """
+    if num_layers is not None and num_layers != params.num_layers:
+        raise InvalidParamsError(
+            f"num_layers={num_layers!r} disagrees with params.num_layers={params.num_layers}"
+        )
+    if devices is None:
+        if params.n_devices != 1:
+            raise InvalidParamsError(
+                f"params.n_devices={params.n_devices} needs devices: a list of {params.n_devices} devices"
+            )
+        return [torch.device(params.device)]
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
+        raise InvalidParamsError(f"devices must be a list of torch devices, got {devices!r}")
+    if len(devices) != params.n_devices:
+        raise InvalidParamsError(
+            f"devices lists {len(devices)} device(s), but params.n_devices={params.n_devices}"
+        )
+    try:
+        return [torch.device(d) for d in devices]
+    except (TypeError, RuntimeError) as e:
+        raise InvalidParamsError(f"devices must be a list of torch devices, got {devices!r}: {e}") from None
 
 
 def max_lengths_tensor(new_counts: Sequence[int], totals: Sequence[int], num_steps: int) -> torch.Tensor:
@@ -91,35 +127,59 @@ class SequenceState:
     hit: int = 0
     """``cached_tokens`` the pending fetch set on the request (a prefix-cache hit)."""
     stepped: bool = False
-    """Whether ``step`` has committed tokens; until then a fetch starts the sequence afresh."""
-
-    @property
-    def start(self) -> int:
-        """Cache length a fetch builds on: a never-stepped sequence is planned from empty."""
-        return self.length if self.stepped else 0
+    """Whether ``step`` has committed tokens; until then the first fetch may hit the prefix cache."""
 
 
 class KVCacheManager(abc.ABC):
     """Owns the cache blocks and the per-sequence bookkeeping.
 
+    Built as MAX's: ``Manager(params, max_batch_size, max_seq_len, num_layers, devices, session)``;
+    ``num_layers`` and ``devices`` may be left out (they default to ``params``'), ``session`` is
+    accepted and ignored (PyTorch has no inference session object).
+
     Lifecycle of a sequence (as MAX): ``claim`` -> (``fetch`` -> run graph -> ``step``)* -> ``release``.
-    Every public method is atomic under ``self._lock``. A caller's mistake raises a
-    ``KVCacheError`` subclass and leaves the manager unchanged.
+    Sequence ids are the cache's slots, ``0 .. max_batch_size - 1``: ``claim`` hands out the
+    lowest free ones, ``release`` returns them to ``slots_remaining``. Every public method is
+    atomic under ``self._lock``. A caller's mistake raises a ``KVCacheError`` subclass and leaves
+    the manager unchanged.
 
     Attributes:
-        blocks: the cache tensor (layout per strategy, see ``ragged_input_symbols``); ``fetch``
-            returns it as is, the attention op writes into it.
+        devices: one torch device per shard of the heads (``params.n_devices``); ``params.device``
+            is ``devices[0]``.
+        device_blocks: one cache tensor per device (layout per strategy, see
+            ``ragged_input_symbols``), each with ``params.n_kv_heads_per_device`` heads;
+            ``fetch`` returns them as they are, the attention op writes into them.
+        blocks: ``device_blocks[0]``.
     """
 
-    blocks: torch.Tensor
-
-    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int | None = None,
+        devices: Sequence[torch.device | str] | None = None,
+        session: object | None = None,
+    ) -> None:
+        self.devices = check_layers_and_devices(params, num_layers, devices)
+        if self.devices[0] != params.device:
+            params = replace(params, device=self.devices[0])
         self.params = params
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
         self._lock = threading.RLock()
         self._seqs: dict[int, SequenceState] = {}
-        self._next_id = 0
+        self.device_blocks: list[torch.Tensor] = []
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self.device_blocks[0]
+
+    def _allocate_blocks(self, num_blocks: int, rows: int) -> None:
+        """Zeroed ``[num_blocks, 2, num_layers, rows, n_kv_heads_per_device, head_dim]`` per device."""
+        p = self.params
+        shape = (num_blocks, 2, p.num_layers, rows, p.n_kv_heads_per_device, p.head_dim)
+        self.device_blocks = [torch.zeros(shape, dtype=p.dtype, device=d) for d in self.devices]
 
     # -- strategy hooks (called under the lock) --
     @abc.abstractmethod
@@ -149,41 +209,49 @@ class KVCacheManager(abc.ABC):
 
     # -- sequence lifecycle --
     def claim(self, n: int) -> list[int]:
-        """Reserve ``n`` new sequence ids (raises ``NoFreeSlotsError`` past ``slots_remaining``)."""
+        """Claim the ``n`` lowest free slots as sequence ids (``NoFreeSlotsError`` past
+        ``slots_remaining``)."""
         with self._lock:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise BatchSizeError(f"claim needs a non-negative int count, got {n!r}")
-            if n > self.slots_remaining:
+            free = self._free_slots()
+            if n > len(free):
                 raise NoFreeSlotsError(
-                    f"claim({n}) exceeds slots_remaining={self.slots_remaining} "
-                    f"(max_batch_size={self.max_batch_size})"
+                    f"claim({n}) exceeds the {len(free)} free slot(s) (max_batch_size={self.max_batch_size})"
                 )
-            ids = []
-            while len(ids) < n:
-                if self._next_id not in self._seqs:
-                    ids.append(self._next_id)
-                self._next_id += 1
+            ids = free[:n]
             for seq_id in ids:
                 self._seqs[seq_id] = self._new_sequence(seq_id)
             return ids
 
     def external_claim(self, seq_ids: Sequence[int]) -> None:
-        """Reserve ids chosen by the caller (raises ``DuplicateSequenceError`` if any is taken)."""
+        """Claim the slots ``seq_ids`` chosen by the caller.
+
+        Raises before claiming any: ``InvalidParamsError`` for an id that is not an int,
+        ``NoFreeSlotsError`` for one outside ``0 .. max_batch_size - 1``,
+        ``DuplicateSequenceError`` for one already claimed or repeated.
+        """
         with self._lock:
+            if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+                raise BatchTypeError(f"external_claim takes a list of int seq_ids, got {seq_ids!r}")
             ids = list(seq_ids)
             for seq_id in ids:
-                if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0:
-                    raise InvalidParamsError(f"seq_id must be a non-negative int, got {seq_id!r}")
+                if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+                    raise InvalidParamsError(f"seq_id must be an int slot, got {seq_id!r}")
+                if not 0 <= seq_id < self.max_batch_size:
+                    raise NoFreeSlotsError(
+                        f"seq_id {seq_id} is not a slot of this cache: slots are 0..{self.max_batch_size - 1} "
+                        f"(max_batch_size={self.max_batch_size})"
+                    )
                 if seq_id in self._seqs:
                     raise DuplicateSequenceError(f"seq_id {seq_id} is already claimed")
             if len(set(ids)) != len(ids):
                 raise DuplicateSequenceError(f"seq_ids {ids} repeat an id")
-            if len(ids) > self.slots_remaining:
-                raise NoFreeSlotsError(
-                    f"external_claim of {len(ids)} ids exceeds slots_remaining={self.slots_remaining}"
-                )
             for seq_id in ids:
                 self._seqs[seq_id] = self._new_sequence(seq_id)
+
+    def _free_slots(self) -> list[int]:
+        return [i for i in range(self.max_batch_size) if i not in self._seqs]
 
     def contains(self, seq_id: int) -> bool:
         """Whether ``seq_id`` is claimed."""
@@ -198,10 +266,16 @@ class KVCacheManager(abc.ABC):
             del self._seqs[seq_id]
 
     @property
-    def slots_remaining(self) -> int:
-        """How many more sequences can be claimed."""
+    def slots_remaining(self) -> set[int]:
+        """The free slots: the sequence ids ``claim`` can still hand out."""
         with self._lock:
-            return self.max_batch_size - len(self._seqs)
+            return set(self._free_slots())
+
+    @property
+    def num_claimed(self) -> int:
+        """How many sequences are claimed (``max_batch_size - len(slots_remaining)``)."""
+        with self._lock:
+            return len(self._seqs)
 
     def cache_length(self, seq_id: int) -> int:
         """Tokens of ``seq_id`` in the cache (committed, plus a prefix hit of a pending fetch)."""
@@ -225,30 +299,35 @@ class KVCacheManager(abc.ABC):
             return self._fits(batch, seqs, num_steps)
 
     def fetch(self, batch: Sequence[KVRequest], num_steps: int = 1) -> list[RaggedKVCacheInputs]:
-        """Reserve cache for ``num_steps`` steps of ``batch`` and return the graph inputs (one per device).
+        """Reserve cache for ``num_steps`` steps of ``batch`` and return the graph inputs, one per device.
 
-        Each sequence gets room for ``len(req.new_tokens) + num_steps - 1`` more tokens; a fetch
-        of a sequence that was fetched but not stepped replaces that reservation. Sets
-        ``req.cached_tokens`` (a prefix-cache hit on a sequence's first fetch, else 0).
+        Each sequence gets room for ``len(req.new_tokens) + num_steps - 1`` more tokens. Sets
+        ``req.cached_tokens`` (a prefix-cache hit on a sequence's first fetch, else 0). A sequence
+        whose previous fetch was not followed by ``step`` raises ``StepError``: the tokens that
+        fetch wrote would otherwise be lost.
 
-        Returns one ``RaggedKVCacheInputs``: ``blocks`` (this manager's tensor), ``cache_lengths
-        int32 [batch]``, ``lookup_table int32`` and ``max_lengths int32 [num_steps, 2]`` (CPU).
+        Returns per device a ``RaggedKVCacheInputs``: ``blocks`` (that device's tensor),
+        ``cache_lengths int32 [batch]``, ``lookup_table int32`` and ``max_lengths int32
+        [num_steps, 2]`` (CPU).
         """
         with self._lock:
             seqs = self._check_fetch(batch, num_steps)
             self._reserve(batch, seqs, num_steps)
             new_counts = [len(req.tokens) - req.cached_tokens for req in batch]
             lengths = [seq.length for seq in seqs]
-            device = self.params.device
+            cache_lengths = torch.tensor(lengths, dtype=INDEX_DTYPE)
+            lookup_table = self._lookup_table(seqs)
+            max_lengths = max_lengths_tensor(
+                new_counts, [c + n for c, n in zip(lengths, new_counts, strict=True)], num_steps
+            )
             return [
                 RaggedKVCacheInputs(
-                    blocks=self.blocks,
-                    cache_lengths=torch.tensor(lengths, dtype=INDEX_DTYPE).to(device),
-                    lookup_table=self._lookup_table(seqs).to(device),
-                    max_lengths=max_lengths_tensor(
-                        new_counts, [c + n for c, n in zip(lengths, new_counts, strict=True)], num_steps
-                    ),
+                    blocks=blocks,
+                    cache_lengths=cache_lengths.to(blocks.device),
+                    lookup_table=lookup_table.to(blocks.device),
+                    max_lengths=max_lengths,
                 )
+                for blocks in self.device_blocks
             ]
 
     def step(self, batch: Sequence[KVRequest]) -> None:
@@ -278,36 +357,45 @@ class KVCacheManager(abc.ABC):
     # -- graph interface --
     def input_symbols(self) -> list[RaggedKVCacheInputSymbols]:
         """The typed KV inputs of graphs that run against this manager (one set per device)."""
-        return [ragged_input_symbols(self.params)]
+        return [ragged_input_symbols(self.params, device) for device in self.devices]
 
     def num_kv_inputs(self) -> int:
         """Number of KV tensors a graph takes per device."""
         return len(self.input_symbols()[0])
 
     def increment_cache_lengths(
-        self, kv_inputs: list[RaggedKVCacheInputs], prev_model_inputs: torch.Tensor
+        self, kv_cache_inputs: Sequence[RaggedKVCacheInputs], prev_model_inputs: object
     ) -> list[RaggedKVCacheInputs]:
         """Inputs for the next step of a multistep run, without a host sync and without touching
-        the manager's own lengths: ``cache_lengths += new tokens of the previous step``
-        (``prev_model_inputs`` is that step's ``input_row_offsets int32 [batch + 1]``) and
-        ``max_lengths`` loses its first row."""
+        the manager's own lengths: ``cache_lengths += new tokens of the previous step`` and
+        ``max_lengths`` loses its first row.
+
+        ``prev_model_inputs`` is the previous step's model inputs: any object with an
+        ``input_row_offsets`` attribute (``int32 [batch + 1]``), or that tensor itself.
+        """
+        offsets = getattr(prev_model_inputs, "input_row_offsets", prev_model_inputs)
+        if not isinstance(offsets, torch.Tensor):
+            raise CacheInputError(
+                f"prev_model_inputs must carry input_row_offsets (an int32 [batch + 1] tensor), "
+                f"got {type(prev_model_inputs).__name__}"
+            )
         with self._lock:
-            return [self._increment(inputs, prev_model_inputs) for inputs in kv_inputs]
+            return [self._increment(inputs, offsets) for inputs in kv_cache_inputs]
 
     @staticmethod
-    def _increment(inputs: RaggedKVCacheInputs, prev_model_inputs: torch.Tensor) -> RaggedKVCacheInputs:
+    def _increment(inputs: RaggedKVCacheInputs, input_row_offsets: torch.Tensor) -> RaggedKVCacheInputs:
         """``increment_cache_lengths`` of one device's inputs."""
         batch = inputs.cache_lengths.shape[0]
-        if prev_model_inputs.dim() != 1 or prev_model_inputs.shape[0] != batch + 1:
+        if input_row_offsets.dim() != 1 or input_row_offsets.shape[0] != batch + 1:
             raise CacheInputError(
-                f"input_row_offsets has shape {tuple(prev_model_inputs.shape)}, expected ({batch + 1},)"
+                f"input_row_offsets has shape {tuple(input_row_offsets.shape)}, expected ({batch + 1},)"
             )
         if inputs.max_lengths.shape[0] < 2:
             raise CacheInputError(
                 f"max_lengths has {inputs.max_lengths.shape[0]} row(s): no step remains to increment to"
             )
         # offs: [batch + 1] -> new tokens per sequence: [batch]
-        offs = prev_model_inputs.to(inputs.cache_lengths.device, non_blocking=True)
+        offs = input_row_offsets.to(inputs.cache_lengths.device, non_blocking=True)
         new = (offs[1:] - offs[:-1]).to(INDEX_DTYPE)
         return RaggedKVCacheInputs(
             blocks=inputs.blocks,
@@ -316,20 +404,33 @@ class KVCacheManager(abc.ABC):
             max_lengths=inputs.max_lengths[1:],
         )
 
-    # -- sizing --
+    # -- sizing (MAX's signatures; ``available_cache_memory`` is bytes over all ``devices``) --
     @classmethod
     @abc.abstractmethod
     def estimated_memory_size(
-        cls, params: KVCacheParams, max_batch_size: int, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """Bytes the cache blocks of such a manager take."""
+        """Bytes the cache blocks of such a manager take over all its devices."""
 
     @classmethod
     @abc.abstractmethod
     def infer_optimal_batch_size(
-        cls, params: KVCacheParams, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """The largest batch whose cache fits ``available_cache_memory``."""
+        """The largest batch whose cache fits ``available_cache_memory`` (split evenly over ``devices``)."""
 
     # -- validation (under the lock) --
     def _get(self, seq_id: int) -> SequenceState:
@@ -339,7 +440,14 @@ class KVCacheManager(abc.ABC):
         return seq
 
     def _check_batch(self, batch: Sequence[KVRequest]) -> list[SequenceState]:
-        """The states of ``batch``'s sequences; raises on a bad size, id or empty tokens."""
+        """The states of ``batch``'s sequences; raises on a bad type, size, id or empty tokens."""
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+            raise BatchTypeError(f"a batch is a list of KVRequest, got {type(batch).__name__} {batch!r}")
+        for i, req in enumerate(batch):
+            if not isinstance(req, KVRequest):
+                raise BatchTypeError(
+                    f"batch[{i}] is {type(req).__name__} {req!r}; expected a KVRequest(seq_id, tokens)"
+                )
         if not 1 <= len(batch) <= self.max_batch_size:
             raise BatchSizeError(
                 f"batch of {len(batch)} sequences; expected 1..max_batch_size={self.max_batch_size}"
@@ -359,10 +467,15 @@ class KVCacheManager(abc.ABC):
             raise InvalidParamsError(f"num_steps must be a positive int, got {num_steps!r}")
         seqs = self._check_batch(batch)
         for req, seq in zip(batch, seqs, strict=True):
-            total = seq.start + len(req.tokens) + num_steps - 1
+            if seq.reserved is not None:
+                raise StepError(
+                    f"seq {seq.seq_id} was fetched and not stepped: call step() with its request to "
+                    f"commit the tokens that fetch wrote (or release it) before fetching it again"
+                )
+            total = seq.length + len(req.tokens) + num_steps - 1
             if total > self.max_seq_len:
                 raise SequenceLengthError(
-                    f"seq {seq.seq_id}: {seq.start} cached + {len(req.tokens)} new + {num_steps - 1} "
+                    f"seq {seq.seq_id}: {seq.length} cached + {len(req.tokens)} new + {num_steps - 1} "
                     f"more steps = {total} tokens, past max_seq_len={self.max_seq_len}"
                 )
         return seqs

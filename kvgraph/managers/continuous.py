@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +12,7 @@ from kvgraph.managers.base import (
     INDEX_DTYPE,
     KVCacheManager,
     SequenceState,
+    check_layers_and_devices,
     check_memory,
     check_positive_int,
 )
@@ -21,40 +20,38 @@ from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.request import KVRequest
 
 
-@dataclass
-class SlotSequence(SequenceState):
-    """A sequence and the slot (row of ``blocks``) that holds its cache."""
-
-    slot: int = -1
-
-
 class ContinuousBatchingKVCacheManager(KVCacheManager):
     """One slot per claimed sequence; every slot has room for ``max_seq_len`` tokens.
 
-    ``blocks``: ``[max_batch_size, 2, num_layers, max_seq_len, n_kv_heads, head_dim]`` of
-    ``params.dtype`` on ``params.device``, zero-initialised (axis 1: 0 = key, 1 = value).
-    ``lookup_table``: ``int32 [batch]``: ``batch -> slot``.
+    A sequence id *is* its slot: the row of ``blocks`` that holds its cache.
+
+    ``blocks``: ``[max_batch_size, 2, num_layers, max_seq_len, n_kv_heads_per_device, head_dim]``
+    of ``params.dtype`` per device, zero-initialised (axis 1: 0 = key, 1 = value).
+    ``lookup_table``: ``int32 [batch]``: ``batch -> slot`` (the seq_id).
     """
 
-    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int | None = None,
+        devices: Sequence[torch.device | str] | None = None,
+        session: object | None = None,
+    ) -> None:
         if params.cache_strategy is not KVCacheStrategy.CONTINUOUS:
             raise InvalidParamsError(
                 f"ContinuousBatchingKVCacheManager needs cache_strategy=continuous, "
                 f"got {params.cache_strategy.value}"
             )
-        super().__init__(params, max_batch_size, max_seq_len)
-        L, H, D = params.num_layers, params.n_kv_heads, params.head_dim
-        self.blocks = torch.zeros(
-            (self.max_batch_size, 2, L, self.max_seq_len, H, D), dtype=params.dtype, device=params.device
-        )
-        # free slots, lowest first
-        self._free_slots = list(range(self.max_batch_size))
+        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
+        self._allocate_blocks(self.max_batch_size, self.max_seq_len)
 
-    def _new_sequence(self, seq_id: int) -> SlotSequence:
-        return SlotSequence(seq_id, slot=heapq.heappop(self._free_slots))
+    def _new_sequence(self, seq_id: int) -> SequenceState:
+        return SequenceState(seq_id)
 
-    def _free_sequence(self, seq: SlotSequence) -> None:
-        heapq.heappush(self._free_slots, seq.slot)
+    def _free_sequence(self, seq: SequenceState) -> None:
+        """Nothing to give back: the slot is free again once the id is."""
 
     def _fits(self, batch: Sequence[KVRequest], seqs: list[SequenceState], num_steps: int) -> bool:
         return True
@@ -68,29 +65,42 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
     def _commit(self, seq: SequenceState, req: KVRequest) -> None:
         """Nothing to record: a slot holds each token at its position, found by ``cache_lengths``."""
 
-    def _lookup_table(self, seqs: list[SlotSequence]) -> torch.Tensor:
-        # lookup_table: [batch] -> slot
-        return torch.tensor([seq.slot for seq in seqs], dtype=INDEX_DTYPE)
-
-    def slot_of(self, seq_id: int) -> int:
-        """The slot (row of ``blocks``) that holds ``seq_id``'s cache."""
-        with self._lock:
-            return self._get(seq_id).slot
+    def _lookup_table(self, seqs: list[SequenceState]) -> torch.Tensor:
+        # lookup_table: [batch] -> slot (= seq_id)
+        return torch.tensor([seq.seq_id for seq in seqs], dtype=INDEX_DTYPE)
 
     @classmethod
     def estimated_memory_size(
-        cls, params: KVCacheParams, max_batch_size: int, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """``max_batch_size * max_seq_len * params.bytes_per_token``: the slots take it all up front,
-        whatever ``available_cache_memory`` is."""
+        """``max_batch_size * max_seq_len * params.bytes_per_token`` over all devices: the slots
+        take it all up front, whatever ``available_cache_memory`` is."""
+        check_layers_and_devices(params, num_layers, devices)
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("max_seq_len", max_seq_len)
+        check_memory(available_cache_memory)
         return max_batch_size * max_seq_len * params.bytes_per_token
 
     @classmethod
     def infer_optimal_batch_size(
-        cls, params: KVCacheParams, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """How many ``max_seq_len`` slots fit in ``available_cache_memory`` bytes (0 if none)."""
+        """How many ``max_seq_len`` slots fit in each device's share of ``available_cache_memory``
+        bytes (0 if none)."""
+        n = len(check_layers_and_devices(params, num_layers, devices))
         check_positive_int("max_seq_len", max_seq_len)
-        return check_memory(available_cache_memory) // (max_seq_len * params.bytes_per_token)
+        per_device = check_memory(available_cache_memory) // n
+        return per_device // (max_seq_len * params.bytes_per_token // params.n_devices)

@@ -1,9 +1,12 @@
-"""Build the manager that matches ``params.cache_strategy``."""
+"""Build the manager that matches ``params.cache_strategy`` (MAX's ``load_kv_manager``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
+import torch
+
+from kvgraph.errors import InvalidParamsError
 from kvgraph.managers.base import KVCacheManager
 from kvgraph.managers.continuous import ContinuousBatchingKVCacheManager
 from kvgraph.managers.paged import PagedKVCacheManager
@@ -11,17 +14,27 @@ from kvgraph.params import KVCacheParams, KVCacheStrategy
 
 
 def load_kv_manager(
-    params: KVCacheParams, max_batch_size: int, max_seq_len: int, **kwargs: Any
+    params: KVCacheParams,
+    max_batch_size: int,
+    max_seq_len: int,
+    num_layers: int | None = None,
+    devices: Sequence[torch.device | str] | None = None,
+    session: object | None = None,
+    available_cache_memory: int | None = None,
+    *,
+    num_pages: int | None = None,
 ) -> KVCacheManager:
     """A ``ContinuousBatchingKVCacheManager`` or a ``PagedKVCacheManager`` per ``params.cache_strategy``.
 
-    ``kwargs`` go to the paged manager (``num_pages=`` or ``cache_memory=``); with neither, the
-    pool holds ``max_batch_size`` sequences of ``max_seq_len`` tokens. The continuous manager
-    takes none.
+    The paged pool holds ``available_cache_memory`` bytes (over all devices) or ``num_pages``
+    pages; with neither, ``max_batch_size`` sequences of ``max_seq_len`` tokens. The continuous
+    cache always takes ``max_batch_size`` slots, so it takes neither.
     """
+    args = (params, max_batch_size, max_seq_len, num_layers, devices, session)
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
-        return ContinuousBatchingKVCacheManager(params, max_batch_size, max_seq_len, **kwargs)
-    if not kwargs:
-        pages_per_seq = -(-max_seq_len // params.page_size)
-        kwargs = {"num_pages": max_batch_size * pages_per_seq}
-    return PagedKVCacheManager(params, max_batch_size, max_seq_len, **kwargs)
+        if num_pages is not None:
+            raise InvalidParamsError(f"num_pages={num_pages!r} needs cache_strategy=paged, got continuous")
+        return ContinuousBatchingKVCacheManager(*args)
+    if available_cache_memory is None and num_pages is None:
+        num_pages = max_batch_size * -(-max_seq_len // params.page_size)
+    return PagedKVCacheManager(*args, available_cache_memory, num_pages=num_pages)

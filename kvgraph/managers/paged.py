@@ -13,6 +13,7 @@ from kvgraph.managers.base import (
     INDEX_DTYPE,
     KVCacheManager,
     SequenceState,
+    check_layers_and_devices,
     check_memory,
     check_positive_int,
 )
@@ -47,7 +48,7 @@ class _Plan:
     match: PrefixMatch
     num_alloc: int
     fresh: bool
-    """The sequence was never stepped: its earlier reservation (if any) is replaced whole."""
+    """The sequence was never stepped: its first fetch, which may hit the prefix cache."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -57,13 +58,14 @@ def _ceil_div(a: int, b: int) -> int:
 class PagedKVCacheManager(KVCacheManager):
     """Sequences hold pages of ``params.page_size`` tokens from one pool of ``total_pages``.
 
-    ``blocks``: ``[total_num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]`` of
-    ``params.dtype`` on ``params.device``, zero-initialised (axis 1: 0 = key, 1 = value).
-    ``lookup_table``: ``int32 [batch, max_num_pages]``: ``[batch, logical_page] -> physical_page``,
-    unused entries hold ``total_num_pages``.
+    ``blocks``: ``[total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]``
+    of ``params.dtype`` per device, zero-initialised (axis 1: 0 = key, 1 = value); every device
+    holds its heads of the same pages. ``lookup_table``: ``int32 [batch, max_num_pages]``:
+    ``[batch, logical_page] -> physical_page``, unused entries hold ``total_num_pages``.
 
-    Give the pool size as exactly one of ``num_pages`` or ``cache_memory`` (bytes, rounded
-    down to whole pages of ``params.page_bytes``). With ``params.enable_prefix_caching``,
+    Built as MAX's ``(params, max_batch_size, max_seq_len, num_layers, devices, session,
+    cache_memory)``. Give the pool size as exactly one of ``cache_memory`` (bytes over all
+    devices: each device's equal share is rounded down to whole pages) or ``num_pages``. With ``params.enable_prefix_caching``,
     ``step`` registers every completed full page, and a sequence's first ``fetch`` reuses the
     cached pages that match the start of its tokens (``req.cached_tokens``). The match looks at
     ``req.tokens`` only: ``req.prompt`` could not add to it, since the hit stays below
@@ -75,9 +77,12 @@ class PagedKVCacheManager(KVCacheManager):
         params: KVCacheParams,
         max_batch_size: int,
         max_seq_len: int,
+        num_layers: int | None = None,
+        devices: Sequence[torch.device | str] | None = None,
+        session: object | None = None,
+        cache_memory: int | None = None,
         *,
         num_pages: int | None = None,
-        cache_memory: int | None = None,
     ) -> None:
         if params.cache_strategy is not KVCacheStrategy.PAGED:
             raise InvalidParamsError(
@@ -90,19 +95,16 @@ class PagedKVCacheManager(KVCacheManager):
             )
         if cache_memory is not None:
             check_positive_int("cache_memory", cache_memory)
-            num_pages = cache_memory // params.page_bytes
+            num_pages = self._pages_in(params, cache_memory)
             if num_pages == 0:
                 raise InvalidParamsError(
                     f"cache_memory={cache_memory} bytes holds no page of page_bytes={params.page_bytes}"
                 )
         check_positive_int("num_pages", num_pages)
-        super().__init__(params, max_batch_size, max_seq_len)
+        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session)
         self.page_size: int = params.page_size
         self._pool = PagePool(num_pages, self.page_size)
-        L, H, D = params.num_layers, params.n_kv_heads, params.head_dim
-        self.blocks = torch.zeros(
-            (num_pages, 2, L, self.page_size, H, D), dtype=params.dtype, device=params.device
-        )
+        self._allocate_blocks(num_pages, self.page_size)
         self._prefix_caching = params.enable_prefix_caching
         self._prompt_tokens = 0  # tokens of first steps looked up in the prefix cache
         self._cached_prompt_tokens = 0  # of those, tokens served from it
@@ -185,6 +187,9 @@ class PagedKVCacheManager(KVCacheManager):
                 seq.length = hit
                 seq.tokens = [int(t) for t in p.req.tokens[:hit]] if self._prefix_caching else []
                 seq.hashes = list(p.match.hashes)
+                if self._prefix_caching:
+                    self._prompt_tokens += len(p.req.tokens)
+                    self._cached_prompt_tokens += hit
             seq.reserved = p.reserved
             seq.hit = hit
             p.req.cached_tokens = hit
@@ -199,9 +204,6 @@ class PagedKVCacheManager(KVCacheManager):
     def _commit(self, seq: PagedSequence, req: KVRequest) -> None:
         if not self._prefix_caching:
             return
-        if not seq.stepped:
-            self._prompt_tokens += len(req.tokens)
-            self._cached_prompt_tokens += req.cached_tokens
         P = self.page_size
         seq.tokens.extend(int(t) for t in req.tokens[req.cached_tokens :])
         if len(seq.hashes) < len(seq.tokens) // P:
@@ -215,15 +217,15 @@ class PagedKVCacheManager(KVCacheManager):
     def _plan(self, batch: Sequence[KVRequest], seqs: list[PagedSequence], num_steps: int) -> list[_Plan]:
         plans = []
         for req, seq in zip(batch, seqs, strict=True):
-            reserved = seq.start + len(req.tokens) + num_steps - 1
+            reserved = seq.length + len(req.tokens) + num_steps - 1
             num_pages = _ceil_div(reserved, self.page_size)
             if seq.stepped:
                 match = PrefixMatch()
                 keep, drop = seq.pages[:num_pages], seq.pages[num_pages:][::-1]
                 num_alloc = max(0, num_pages - len(seq.pages))
-            else:
+            else:  # a first fetch: the sequence holds no page yet
                 match = self._match(req.tokens)
-                keep, drop = [], seq.pages[::-1]
+                keep, drop = [], []
                 num_alloc = num_pages - len(match.pages)
             plans.append(_Plan(req, seq, reserved, drop, keep, match, num_alloc, not seq.stepped))
         return plans
@@ -262,28 +264,49 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _copy_rows(self, src: Page, dst: Page, n: int) -> None:
         """Copy-on-write: the first ``n`` token rows of every layer's K and V from ``src`` to ``dst``."""
-        # blocks: [num_pages, 2, L, page_size, H, D]
-        self.blocks[dst.page_id, :, :, :n].copy_(self.blocks[src.page_id, :, :, :n])
+        # blocks: [num_pages, 2, L, page_size, H, D] on every device
+        for blocks in self.device_blocks:
+            blocks[dst.page_id, :, :, :n].copy_(blocks[src.page_id, :, :, :n])
 
     # -- sizing --
+    @staticmethod
+    def _pages_in(params: KVCacheParams, cache_memory: int) -> int:
+        """Whole pages in ``cache_memory`` bytes split evenly over ``params.n_devices`` devices."""
+        return cache_memory // params.n_devices // (params.page_bytes // params.n_devices)
+
     @classmethod
     def estimated_memory_size(
-        cls, params: KVCacheParams, max_batch_size: int, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """Bytes of a pool that holds ``max_batch_size`` sequences of ``max_seq_len`` tokens, capped
-        at ``available_cache_memory`` rounded down to whole pages."""
+        """Bytes (over all devices) of a pool that holds ``max_batch_size`` sequences of
+        ``max_seq_len`` tokens, capped at the whole pages ``available_cache_memory`` holds."""
+        check_layers_and_devices(params, num_layers, devices)
         check_positive_int("max_batch_size", max_batch_size)
-        need = max_batch_size * cls._pages_per_sequence(params, max_seq_len) * params.page_bytes
-        return min(need, check_memory(available_cache_memory) // params.page_bytes * params.page_bytes)
+        need = max_batch_size * cls._pages_per_sequence(params, max_seq_len)
+        return min(need, cls._pages_in(params, check_memory(available_cache_memory))) * params.page_bytes
 
     @classmethod
     def infer_optimal_batch_size(
-        cls, params: KVCacheParams, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParams,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[torch.device | str] | None = None,
+        **kwargs: object,
     ) -> int:
-        """How many sequences of ``max_seq_len`` tokens fit in ``available_cache_memory`` bytes
-        (whole pages each; 0 if none)."""
-        per_seq = cls._pages_per_sequence(params, max_seq_len) * params.page_bytes
-        return check_memory(available_cache_memory) // per_seq
+        """How many sequences of ``max_seq_len`` tokens (whole pages each) fit in the pages of
+        ``available_cache_memory`` bytes (0 if none)."""
+        check_layers_and_devices(params, num_layers, devices)
+        pages = cls._pages_in(params, check_memory(available_cache_memory))
+        return pages // cls._pages_per_sequence(params, max_seq_len)
 
     @staticmethod
     def _pages_per_sequence(params: KVCacheParams, max_seq_len: int) -> int:

@@ -54,9 +54,24 @@ def test_wrong_lookup_rank_raises():
     with pytest.raises(CacheInputError, match=r"rank 2 \(paged\) or 1 \(continuous\), got rank 3"):
         collection_for(inputs)
     with pytest.raises(CacheInputError, match=r"PagedKVCacheCollection needs a lookup_table of rank 2, got rank 1"):
-        PagedKVCacheCollection(continuous_inputs())
+        PagedKVCacheCollection.from_inputs(continuous_inputs())
     with pytest.raises(CacheInputError, match=r"needs a lookup_table of rank 1, got rank 2"):
-        ContinuousBatchingKVCacheCollection(paged_inputs())
+        ContinuousBatchingKVCacheCollection.from_inputs(paged_inputs())
+
+
+def test_max_constructor_and_fields():
+    """MAX: Collection(blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length)."""
+    x = continuous_inputs()
+    c = ContinuousBatchingKVCacheCollection(x.blocks, x.cache_lengths, x.lookup_table, 3, 8)
+    assert c.blocks is x.blocks and c.cache_lengths is x.cache_lengths and c.lookup_table is x.lookup_table
+    assert (c.max_seq_length, c.max_cache_length) == (3, 8)
+    assert c.cache_length(0) == 5 and c.get_key_cache(1).max_cache_length == 8
+    assert torch.equal(c.get_value_cache(2).load(0, 1), x.blocks[2, 1, 2, 1])
+    p = paged_inputs()
+    pc = PagedKVCacheCollection(p.blocks, p.cache_lengths, p.lookup_table, max_seq_length=3, max_cache_length=8)
+    assert pc.get_key_cache(0).page_size == 4 and pc.batch_size == 2
+    with pytest.raises(CacheInputError, match=r"cache_lengths must be \[batch\]"):
+        PagedKVCacheCollection(p.blocks, p.cache_lengths[:1], p.lookup_table, 3, 8)
 
 
 def test_bad_blocks_and_max_lengths_raise():

@@ -54,7 +54,7 @@ def seq_location(manager: KVCacheManager, seq_id: int, pos: int) -> tuple[int, i
     """``(page_or_slot, row)`` of position ``pos`` of ``seq_id`` from the manager's own books."""
     if isinstance(manager, PagedKVCacheManager):
         return manager.pages_of(seq_id)[pos // manager.page_size], pos % manager.page_size
-    return manager.slot_of(seq_id), pos
+    return seq_id, pos  # a continuous sequence's id is its slot
 
 
 def write_steps(
@@ -103,15 +103,13 @@ def check_contents(manager: KVCacheManager, shadow: dict[int, list[int]]) -> Non
 def check_invariants(manager: KVCacheManager) -> None:
     """Bookkeeping invariants of either manager."""
     seqs = manager._seqs
-    assert manager.slots_remaining == manager.max_batch_size - len(seqs) >= 0
+    assert manager.slots_remaining == set(range(manager.max_batch_size)) - set(seqs)
+    assert manager.num_claimed == len(seqs)
     for seq in seqs.values():
         assert seq.length <= manager.max_seq_len
         if seq.reserved is not None:
             assert seq.length <= seq.reserved <= manager.max_seq_len
     if isinstance(manager, ContinuousBatchingKVCacheManager):
-        slots = [seq.slot for seq in seqs.values()]
-        assert len(set(slots)) == len(slots), f"slot held twice: {slots}"
-        assert sorted(slots + manager._free_slots) == list(range(manager.max_batch_size))
         return
     pool, P = manager._pool, manager.page_size
     holders: dict[int, int] = {}
@@ -148,7 +146,6 @@ def snapshot(manager: KVCacheManager) -> dict:
     """Everything a failed call must leave as it was: bookkeeping and cache contents."""
     state = {
         "seqs": copy.deepcopy({k: _seq_fields(s) for k, s in manager._seqs.items()}),
-        "next_id": manager._next_id,
         "blocks": manager.blocks.clone(),
     }
     if isinstance(manager, PagedKVCacheManager):
@@ -157,8 +154,6 @@ def snapshot(manager: KVCacheManager) -> dict:
         state["free"] = [page.page_id for page in pool.free_queue]
         state["cached"] = {h: p.page_id for h, p in pool._cached.items()}
         state["counters"] = (manager._prompt_tokens, manager._cached_prompt_tokens)
-    else:
-        state["free_slots"] = sorted(manager._free_slots)
     return state
 
 

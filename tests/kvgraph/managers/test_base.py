@@ -52,34 +52,51 @@ def test_max_lengths_rows_grow_by_one_per_step():
 @pytest.mark.parametrize("kind", KINDS)
 def test_claim_contains_release(kind):
     m = make_manager(kind, max_batch_size=3)
+    assert m.slots_remaining == {0, 1, 2}
     ids = m.claim(2)
-    assert len(set(ids)) == 2 and all(m.contains(i) for i in ids)
-    assert m.slots_remaining == 1
+    assert ids == [0, 1] and all(m.contains(i) for i in ids)
+    assert m.slots_remaining == {2}
     m.release(ids[0])
-    assert not m.contains(ids[0]) and m.slots_remaining == 2
+    assert not m.contains(ids[0]) and m.slots_remaining == {0, 2}
     assert m.claim(0) == []
     again = m.claim(2)
-    assert ids[1] not in again and m.slots_remaining == 0
+    assert again == [0, 2] and m.slots_remaining == set()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seq_ids_are_slots_reused_after_release(kind):
+    """MAX: claim hands out ids from slots_remaining, always in range(max_batch_size)."""
+    m = make_manager(kind, max_batch_size=2)
+    m.claim(2)
+    m.release(0)
+    assert m.claim(1) == [0]
+    for _ in range(5):
+        m.release(1)
+        (seq,) = m.claim(1)
+        assert seq == 1 and seq in range(m.max_batch_size)
+    check_invariants(m)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_claim_errors_leave_state_unchanged(kind):
     m = make_manager(kind, max_batch_size=2)
     m.claim(1)
-    raises_unchanged(m, NoFreeSlotsError, m.claim, 2, match="slots_remaining=1")
+    raises_unchanged(m, NoFreeSlotsError, m.claim, 2, match=r"claim\(2\) exceeds the 1 free slot")
     raises_unchanged(m, BatchSizeError, m.claim, -1, match="-1")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_external_claim(kind):
-    m = make_manager(kind, max_batch_size=3)
-    m.external_claim([10, 3])
-    assert m.contains(10) and m.contains(3) and m.slots_remaining == 1
-    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [3], match="3")
-    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [7, 7], match="repeat")
-    raises_unchanged(m, NoFreeSlotsError, m.external_claim, [7, 8])
-    raises_unchanged(m, InvalidParamsError, m.external_claim, [-1])
-    assert 10 not in m.claim(1)
+    m = make_manager(kind, max_batch_size=4)
+    m.external_claim([3, 1])
+    assert m.contains(3) and m.contains(1) and m.slots_remaining == {0, 2}
+    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [3], match="3 is already claimed")
+    raises_unchanged(m, DuplicateSequenceError, m.external_claim, [2, 2], match="repeat")
+    raises_unchanged(m, NoFreeSlotsError, m.external_claim, [100], match=r"100 is not a slot.*0\.\.3")
+    raises_unchanged(m, NoFreeSlotsError, m.external_claim, [0, 4], match="4 is not a slot")
+    raises_unchanged(m, NoFreeSlotsError, m.external_claim, [-1], match="-1 is not a slot")
+    raises_unchanged(m, InvalidParamsError, m.external_claim, ["0"], match="'0'")
+    assert m.claim(1) == [0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -220,12 +237,26 @@ def test_multistep_writes_land_where_step_commits_them(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_refetch_without_step_replaces_the_reservation(kind):
+def test_fetch_without_step_raises_instead_of_dropping_the_written_tokens(kind):
+    """The five tokens the first fetch wrote are never silently lost by a second fetch."""
     m = make_manager(kind)
     (a,) = m.claim(1)
-    m.fetch([KVRequest(a, list(range(10)))], num_steps=2)
-    (x,) = m.fetch([r := KVRequest(a, [1, 2, 3])])
-    assert x.cache_lengths.tolist() == [0] and x.max_lengths.tolist() == [[3, 3]]
+    m.fetch([first := KVRequest(a, [1, 2, 3, 4, 5])])
+    raises_unchanged(m, StepError, m.fetch, [KVRequest(a, [6])], match=f"seq {a} was fetched and not stepped")
+    raises_unchanged(m, StepError, m.can_fetch, [KVRequest(a, [6])], match="not stepped")
+    m.step([first])
+    (x,) = m.fetch([r := KVRequest(a, [6])])
+    assert x.cache_lengths.tolist() == [5]
+    m.step([r])
+    assert m.cache_length(a) == 6
+    check_invariants(m)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_past_the_reservation_raises(kind):
+    m = make_manager(kind)
+    (a,) = m.claim(1)
+    m.fetch([r := KVRequest(a, [1, 2, 3])])
     raises_unchanged(m, StepError, m.step, [KVRequest(a, list(range(10)))], match="past the 3 reserved")
     m.step([r])
     assert m.cache_length(a) == 3

@@ -16,15 +16,14 @@ def test_blocks_are_zeroed_slots_of_max_seq_len():
     assert not m.blocks.any()
 
 
-def test_lookup_table_maps_rows_to_slots():
+def test_lookup_table_maps_rows_to_slots_which_are_the_seq_ids():
     m = ContinuousBatchingKVCacheManager(continuous_params(), 4, 8)
     ids = m.claim(3)
-    slots = {i: m.slot_of(i) for i in ids}
-    assert sorted(slots.values()) == [0, 1, 2]
+    assert ids == [0, 1, 2]
     batch = [KVRequest(ids[2], [1]), KVRequest(ids[0], [2, 3])]
     (x,) = m.fetch(batch)
     assert x.lookup_table.shape == (2,)
-    assert x.lookup_table.tolist() == [slots[ids[2]], slots[ids[0]]]
+    assert x.lookup_table.tolist() == [ids[2], ids[0]]
 
 
 def test_released_slot_is_reused_lowest_first():
@@ -32,9 +31,8 @@ def test_released_slot_is_reused_lowest_first():
     a, b, c = m.claim(3)
     m.release(b)
     m.release(a)
-    d, e = m.claim(2)
-    assert (m.slot_of(d), m.slot_of(e)) == (0, 1)
-    assert m.slot_of(c) == 2
+    assert m.claim(2) == [0, 1]
+    assert m.slots_remaining == set() and m.contains(c)
 
 
 def test_rejects_paged_params_and_bad_sizes():
@@ -49,11 +47,13 @@ def test_rejects_paged_params_and_bad_sizes():
 def test_memory_size_and_optimal_batch():
     params = continuous_params(dtype=torch.bfloat16)
     per_slot = 100 * params.bytes_per_token
-    size = ContinuousBatchingKVCacheManager.estimated_memory_size(params, 3, 100, 10**12)
+    L = params.num_layers
+    size = ContinuousBatchingKVCacheManager.estimated_memory_size(params, 3, 100, L, 10**12, [params.device])
     assert size == 3 * per_slot
     m = ContinuousBatchingKVCacheManager(params, 3, 100)
     assert size == m.blocks.numel() * m.blocks.element_size()
-    assert ContinuousBatchingKVCacheManager.infer_optimal_batch_size(params, 100, 5 * per_slot - 1) == 4
-    assert ContinuousBatchingKVCacheManager.infer_optimal_batch_size(params, 100, per_slot - 1) == 0
+    infer = ContinuousBatchingKVCacheManager.infer_optimal_batch_size
+    assert infer(params, 100, L, 5 * per_slot - 1, [params.device]) == 4
+    assert infer(params, 100, L, per_slot - 1, [params.device]) == 0
     with pytest.raises(InvalidParamsError, match="available_cache_memory"):
-        ContinuousBatchingKVCacheManager.infer_optimal_batch_size(params, 100, -1)
+        infer(params, 100, L, -1, [params.device])

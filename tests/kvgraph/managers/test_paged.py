@@ -82,9 +82,11 @@ def test_refetch_gives_back_pages_it_no_longer_needs():
     m = PagedKVCacheManager(paged_params(page_size=4), 2, 32, num_pages=8)
     (a,) = m.claim(1)
     _prefill(m, a, [1, 2, 3, 4])
-    m.fetch([KVRequest(a, [5])], num_steps=9)  # 4 + 1 + 8 = 13 tokens -> 4 pages
+    m.fetch([r := KVRequest(a, [5])], num_steps=9)  # 4 + 1 + 8 = 13 tokens -> 4 pages
     assert len(m.pages_of(a)) == 4 and m.free_pages == 4
-    m.fetch([KVRequest(a, [5])])  # replaces: 5 tokens -> 2 pages
+    m.step([r])  # the run stopped after one step: 5 tokens committed, 4 pages still held
+    assert len(m.pages_of(a)) == 4 and m.cache_length(a) == 5
+    m.fetch([KVRequest(a, [6])])  # 6 tokens -> 2 pages
     assert len(m.pages_of(a)) == 2 and m.free_pages == 6
     check_invariants(m)
 
@@ -118,13 +120,14 @@ def test_used_pages_pct_and_free_pages():
 def test_memory_size_and_optimal_batch_count_whole_pages():
     params = paged_params(page_size=4)
     per_seq = 3 * params.page_bytes  # 10 tokens -> 3 pages
-    assert PagedKVCacheManager.estimated_memory_size(params, 5, 10, 10**12) == 5 * per_seq
-    assert PagedKVCacheManager.estimated_memory_size(params, 5, 10, 7 * params.page_bytes + 1) == (
+    L, devices = params.num_layers, [params.device]
+    assert PagedKVCacheManager.estimated_memory_size(params, 5, 10, L, 10**12, devices) == 5 * per_seq
+    assert PagedKVCacheManager.estimated_memory_size(params, 5, 10, L, 7 * params.page_bytes + 1, devices) == (
         7 * params.page_bytes
     )
-    assert PagedKVCacheManager.infer_optimal_batch_size(params, 10, 4 * per_seq - 1) == 3
+    assert PagedKVCacheManager.infer_optimal_batch_size(params, 10, L, 4 * per_seq - 1, devices) == 3
     with pytest.raises(InvalidParamsError, match="max_seq_len"):
-        PagedKVCacheManager.infer_optimal_batch_size(params, 0, per_seq)
+        PagedKVCacheManager.infer_optimal_batch_size(params, 0, L, per_seq, devices)
 
 
 # -- prefix caching --
@@ -243,18 +246,14 @@ def test_shared_prefix_fetch_in_one_batch_counts_pages_once():
     check_invariants(m)
 
 
-def test_refetch_before_step_matches_again():
+def test_cache_hit_rate_counts_a_hit_at_the_fetch_that_takes_it():
     m = _prefix_manager()
     a, b = m.claim(2)
     prompt = list(range(1, 10))
     _prefill(m, a, prompt)
-    req = KVRequest(b, prompt)
-    m.fetch([req], num_steps=5)  # 13 tokens -> 4 pages
-    held = m.free_pages
-    again = KVRequest(b, prompt)
-    (x,) = m.fetch([again])
-    assert again.cached_tokens == 8 and x.cache_lengths.tolist() == [8]
-    assert m.free_pages == held + 1
+    assert m.cache_hit_rate == 0.0
+    m.fetch([KVRequest(b, prompt)])  # hits 8 of 9, before any step
+    assert m.cache_hit_rate == pytest.approx(8 / 18)
     check_invariants(m)
 
 

@@ -51,10 +51,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 3))
     def claim(self, n):
-        if n > self.m.slots_remaining:
+        if n > len(self.m.slots_remaining):
             raises_unchanged(self.m, NoFreeSlotsError, self.m.claim, n)
             return
-        for seq_id in self.m.claim(n):
+        free = sorted(self.m.slots_remaining)
+        ids = self.m.claim(n)
+        assert ids == free[:n]
+        for seq_id in ids:
             assert seq_id not in self.shadow
             self.shadow[seq_id] = []
 
@@ -66,6 +69,9 @@ class ManagerMachine(RuleBasedStateMachine):
             KVRequest(i, data.draw(prompts()) if not self.shadow[i] else data.draw(st.lists(TOKENS, min_size=1, max_size=2)))
             for i in ids
         ]
+        if self.pending.intersection(ids):
+            raises_unchanged(self.m, StepError, self.m.fetch, batch, num_steps, match="not stepped")
+            return
         if any(len(self.shadow[r.seq_id]) + len(r.tokens) + num_steps - 1 > MAX_SEQ_LEN for r in batch):
             raises_unchanged(self.m, SequenceLengthError, self.m.fetch, batch, num_steps)
             return
@@ -131,7 +137,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id in list(self.shadow):
             self.m.release(seq_id)
         check_invariants(self.m)
-        assert self.m.slots_remaining == self.m.max_batch_size
+        assert self.m.slots_remaining == set(range(self.m.max_batch_size))
         if isinstance(self.m, PagedKVCacheManager):
             assert self.m.free_pages == self.m.total_pages
 
