@@ -32,6 +32,11 @@ class KVCacheStrategy(str, enum.Enum):
                 f"unknown cache strategy {value!r}; expected one of {names}"
             ) from None
 
+    @property
+    def resolved(self) -> KVCacheStrategy:
+        """The strategy a cache is built with: ``MODEL_DEFAULT`` is ``PAGED``."""
+        return KVCacheStrategy.PAGED if self is KVCacheStrategy.MODEL_DEFAULT else self
+
 
 @dataclass(frozen=True)
 class KVCacheParams:
@@ -54,10 +59,7 @@ class KVCacheParams:
     n_devices: int = 1
 
     def __post_init__(self) -> None:
-        strategy = KVCacheStrategy.parse(self.cache_strategy)
-        if strategy is KVCacheStrategy.MODEL_DEFAULT:
-            strategy = KVCacheStrategy.PAGED
-        object.__setattr__(self, "cache_strategy", strategy)
+        object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy).resolved)
         object.__setattr__(self, "device", torch.device(self.device))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise InvalidParamsError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")

@@ -63,7 +63,7 @@ def kv_params_from_config(
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    strategy = KVCacheStrategy.parse(cache_strategy)
+    strategy = KVCacheStrategy.parse(cache_strategy).resolved
     return KVCacheParams(
         dtype=model_dtype(model),
         n_kv_heads=kv_heads,
@@ -105,7 +105,7 @@ def traced_kv_params(
     with torch.no_grad():
         torch.compile(trace, backend=capture, fullgraph=True, dynamic=False)(ids, ids - 1)
     analysis = found[0]
-    strategy = KVCacheStrategy.parse(cache_strategy)
+    strategy = KVCacheStrategy.parse(cache_strategy).resolved
     return KVCacheParams(
         dtype=analysis.dtype,
         n_kv_heads=analysis.n_kv_heads,

@@ -160,7 +160,7 @@ def test_by_name_with_inductor_writes_the_cache_in_place_without_copying_it(mode
     torch.testing.assert_close(logits[0], eager_last_logits(model, PROMPTS), atol=2e-5, rtol=2e-5)
     # The cache tensor is the manager's own, and layer 0 holds each prompt's keys.
     assert mgr.blocks is blocks and blocks.data_ptr() == ptr
-    layer0 = kvgraph.PagedKVCacheCollection(kv[0]).get_key_cache(0)
+    layer0 = kvgraph.PagedKVCacheCollection.from_inputs(kv[0]).get_key_cache(0)
     for b, prompt in enumerate(PROMPTS):
         x = model.tok(torch.tensor([prompt])) + model.pos(torch.arange(len(prompt))[None])
         cached = layer0.load(torch.full((len(prompt),), b), torch.arange(len(prompt)))
