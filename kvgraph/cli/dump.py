@@ -49,13 +49,12 @@ def capture(args: argparse.Namespace) -> Captured:
     """Run one prefill step of ``--prompt-len`` tokens through ``kvgraph.compile`` (eager inner
     compiler) and take the captured and lowered graphs from the backend."""
     import kvgraph
-    from kvgraph.engine.loading import kv_params_from_config, load_model, traced_kv_params
+    from kvgraph.engine.loading import kv_params_from_config, traced_kv_params
     from kvgraph.managers import load_kv_manager
     from kvgraph.request import KVRequest
     from kvgraph.step import run_step
 
-    source, _ = load_model_arg(args)
-    model, _ = load_model(source)
+    model, _ = load_model_arg(args)
     model = model.eval()
     if args.dtype:
         model = model.to(DTYPES[args.dtype])

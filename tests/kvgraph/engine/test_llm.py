@@ -205,6 +205,19 @@ def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
     assert llm.manager.slots_remaining == 2
 
 
+def test_a_preset_name_brings_its_model_and_tokenizer(llama, hf_greedy):
+    llm = LLM("llama-tiny", max_batch_size=2, max_seq_len=48, compile="eager")
+    (out,) = llm.generate("a text prompt", SamplingParams(max_new_tokens=5, ignore_eos=True))
+    model, tokenizer = llama
+    assert out.token_ids == hf_greedy(model, tokenizer.encode("a text prompt"), 5)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_an_unknown_model_name_lists_the_presets():
+    with pytest.raises(InvalidParamsError, match="unknown model 'llama-huge': not a preset \\(llama-tiny, "):
+        LLM("llama-huge")
+
+
 class TinyGPT(torch.nn.Module):
     """A module that is not a Hugging Face model: embeddings, causal SDPA blocks, logits."""
 
