@@ -48,6 +48,7 @@ def add_parser(subparsers) -> None:
                    help="exit 0 even if a baseline's greedy outputs differ from kvgraph's")
     p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="write a PNG chart of the results")
+    p.add_argument("--no-progress", action="store_true", help="no compile stages on stderr")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -84,7 +85,7 @@ def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, 
 
 def run(args: argparse.Namespace) -> int:
     baselines = parse_baselines(args.baselines)
-    llm = build_llm(args)
+    llm = build_llm(args, progress=not args.no_progress)
     if llm.vocab_size is None:
         raise InvalidParamsError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
     workload = make_workload(

@@ -98,8 +98,9 @@ def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module, object | 
     return load_model(args.model, seed=args.seed)
 
 
-def build_llm(args: argparse.Namespace):
-    """``kvgraph.LLM`` for the model and engine flags in ``args``."""
+def build_llm(args: argparse.Namespace, *, progress: bool = True):
+    """``kvgraph.LLM`` for the model and engine flags in ``args``; ``progress``: show the compile
+    stages on stderr."""
     from kvgraph.engine import LLM
 
     model, tokenizer = load_model_arg(args)
@@ -118,4 +119,5 @@ def build_llm(args: argparse.Namespace):
         freeze_weights=not args.no_freeze_weights,
         device=args.device,
         dtype=DTYPES.get(args.dtype),
+        progress=progress,
     )

@@ -43,7 +43,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (completions and stats)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (compile stages, generation bar)")
     p.set_defaults(run=run)
 
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p, seed=args.sampling_seed, stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos,
     )
-    llm = build_llm(args)
+    llm = build_llm(args, progress=not args.no_progress)
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,

@@ -17,7 +17,9 @@ class EngineStats:
 
     A step that mixes prefill chunks and decodes splits its wall time between the two
     in proportion to their token counts, so ``prefill_tokens_per_s`` and
-    ``decode_tokens_per_s`` each divide tokens by the time spent on them.
+    ``decode_tokens_per_s`` each divide tokens by the time spent on them. Steps that
+    compiled a graph count their tokens but not in the rates: their time goes to
+    ``compile_time_s``.
     """
 
     steps: int = 0
@@ -26,6 +28,10 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    timed_prefill_tokens: int = 0  # of steps that compiled nothing: what the rates divide
+    timed_decode_tokens: int = 0
+    compile_steps: int = 0
+    compile_time_s: float = 0.0
     batch_sizes: Counter = field(default_factory=Counter)
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -39,16 +45,26 @@ class EngineStats:
     kv_slots_held: int = 0  # summed over steps: token slots of the pages sequences hold
     kv_tokens_stored: int = 0  # summed over steps: tokens those slots hold
     compiled_graphs: int = 0
+    warmup_graphs: int = 0
+    recompiles: int = 0
 
     def record_step(
-        self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float, model_calls: int = 1
+        self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float, model_calls: int = 1,
+        compiled: bool = False,
     ) -> None:
-        """One scheduled batch of ``batch_size`` sequences (``model_calls`` model runs when multistep)."""
+        """One scheduled batch of ``batch_size`` sequences (``model_calls`` model runs when multistep);
+        ``compiled``: one of its model calls compiled a graph, so its time is not a serving rate."""
         self.steps += 1
         self.model_calls += model_calls
         self.batch_sizes[batch_size] += 1
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
+        if compiled:
+            self.compile_steps += 1
+            self.compile_time_s += seconds
+            return
+        self.timed_prefill_tokens += prefill_tokens
+        self.timed_decode_tokens += decode_tokens
         total = prefill_tokens + decode_tokens
         if total:
             self.prefill_time_s += seconds * prefill_tokens / total
@@ -82,10 +98,12 @@ class EngineStats:
             "model_calls": self.model_calls,
             "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens,
-            "prefill_tokens_per_s": _rate(self.prefill_tokens, self.prefill_time_s),
-            "decode_tokens_per_s": _rate(self.decode_tokens, self.decode_time_s),
+            "prefill_tokens_per_s": _rate(self.timed_prefill_tokens, self.prefill_time_s),
+            "decode_tokens_per_s": _rate(self.timed_decode_tokens, self.decode_time_s),
             "prefill_time_s": self.prefill_time_s,
             "decode_time_s": self.decode_time_s,
+            "compile_steps": self.compile_steps,
+            "compile_time_s": self.compile_time_s,
             "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
             "kv_pages_used": self.kv_pages_used,
             "kv_pages_free": self.kv_pages_total - self.kv_pages_used,
@@ -101,7 +119,8 @@ class EngineStats:
             "finished": self.finished,
             "aborted": self.aborted,
             "compiled_graphs": self.compiled_graphs,
-            "recompiles": max(0, self.compiled_graphs - 1),
+            "warmup_graphs": self.warmup_graphs,
+            "recompiles": self.recompiles,
         }
 
 

@@ -30,6 +30,12 @@ def test_generate_json_matches_hf_greedy_and_reports_throughput(kvgraph_cli, fas
     summary = done.stderr.strip().splitlines()[-1]
     assert summary.startswith("2 prompts, 10 new tokens in") and "tok/s" in summary
     assert "generate:" in done.stderr  # the progress bar
+    assert done.stderr.count("kvgraph: the first step with several new tokens (T > 1)") == 1
+    for stage in ("capturing the model with Dynamo", "lowering attention onto the KV cache",
+                  "compiling the lowered graph with eager"):
+        assert f"kvgraph: compiling graph 1 of 2 (several new tokens, T > 1): {stage}" in done.stderr
+    assert "kvgraph: compiled graph 2 of 2 (one new token, T == 1) in " in done.stderr
+    assert out["stats"]["warmup_graphs"] == 2 and out["stats"]["recompiles"] == 0
 
 
 def test_generate_text_output_from_a_prompts_file(kvgraph_cli, fast_flags, tmp_path):
@@ -40,3 +46,4 @@ def test_generate_text_output_from_a_prompts_file(kvgraph_cli, fast_flags, tmp_p
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("[0] (length, 3 tokens) ") and lines[1].startswith("[1] ")
+    assert "kvgraph: compil" not in done.stderr and "generate:" not in done.stderr
