@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvgraph.engine import SamplingParams
+    from kvgraph.engine.stats import kv_usage_text
 
     prompts = read_prompts(args)
     sampling = SamplingParams(
@@ -100,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         f"{len(completions)} prompts, {new_tokens} new tokens in {elapsed:.2f}s: "
         f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
-        f"peak {stats['kv_pages_peak']} KV pages, prefix hit rate {stats['prefix_hit_rate']:.0%} "
-        f"(compile and warm-up: {warmup:.1f}s, not counted)"
+        f"{kv_usage_text(stats)}, prefix hit rate {stats['prefix_hit_rate']:.0%} "
+        f"(compile and warm-up: {warmup:.1f}s, not counted: {stats['warmup_graphs']} graphs; "
+        f"{stats['recompiles']} recompiles after it)"
     )
     if args.json:
         out = {

@@ -42,6 +42,8 @@ class EngineStats:
     kv_pages_used: int = 0
     kv_pages_peak: int = 0
     kv_page_bytes: int = 0
+    kv_unit: str = "page"  # what the kv_pages_* figures count: "page" (paged) or "slot" (continuous)
+    kv_unit_tokens: int = 0  # tokens one unit holds: page_size, or max_seq_len for a slot
     kv_slots_held: int = 0  # summed over steps: token slots of the pages sequences hold
     kv_tokens_stored: int = 0  # summed over steps: tokens those slots hold
     compiled_graphs: int = 0
@@ -70,12 +72,13 @@ class EngineStats:
             self.prefill_time_s += seconds * prefill_tokens / total
             self.decode_time_s += seconds * decode_tokens / total
 
-    def record_pages(self, used: int, total: int, page_bytes: int) -> None:
+    def record_pages(self, used: int, total: int, page_bytes: int, unit: str, unit_tokens: int) -> None:
         """Pages (slots, for the continuous cache) held by sequences now, of ``total``."""
         self.kv_pages_total = total
         self.kv_pages_used = used
         self.kv_pages_peak = max(self.kv_pages_peak, used)
         self.kv_page_bytes = page_bytes
+        self.kv_unit, self.kv_unit_tokens = unit, unit_tokens
 
     def record_occupancy(self, slots_held: int, tokens_stored: int) -> None:
         """After a step: token slots of the held pages, and how many of them hold a token."""
@@ -84,7 +87,8 @@ class EngineStats:
 
     @property
     def kv_waste(self) -> float:
-        """Fraction of held KV slots that held no token, averaged over steps (page slack, lookahead)."""
+        """Fraction of the token room of held pages (continuous: of held slots, ``max_seq_len`` each)
+        that held no token, averaged over steps: page slack and lookahead, or a slot's unused length."""
         return 1.0 - self.kv_tokens_stored / self.kv_slots_held if self.kv_slots_held else 0.0
 
     @property
@@ -109,6 +113,8 @@ class EngineStats:
             "kv_pages_free": self.kv_pages_total - self.kv_pages_used,
             "kv_pages_peak": self.kv_pages_peak,
             "kv_pages_total": self.kv_pages_total,
+            "kv_unit": self.kv_unit,
+            "kv_unit_tokens": self.kv_unit_tokens,
             "kv_peak_bytes": self.kv_pages_peak * self.kv_page_bytes,
             "kv_allocated_bytes": self.kv_pages_total * self.kv_page_bytes,
             "kv_waste": self.kv_waste,
@@ -128,14 +134,26 @@ def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def cache_usage(manager: KVCacheManager) -> tuple[int, int, int]:
-    """``(held, total, bytes each)`` of the cache's units: pages of a paged pool, slots of a
-    continuous cache."""
+def cache_usage(manager: KVCacheManager) -> tuple[int, int, int, str, int]:
+    """``(held, total, bytes each, unit, tokens each)`` of the cache's units: pages of a paged pool,
+    slots of a continuous cache (each reserves ``max_seq_len`` tokens)."""
     params = manager.params
     if isinstance(manager, PagedKVCacheManager):
-        return manager.total_pages - manager.free_pages, manager.total_pages, params.page_bytes
+        held = manager.total_pages - manager.free_pages
+        return held, manager.total_pages, params.page_bytes, "page", manager.page_size
     slot_bytes = manager.max_seq_len * params.bytes_per_token
-    return manager.max_batch_size - manager.slots_remaining, manager.max_batch_size, slot_bytes
+    held = manager.max_batch_size - manager.slots_remaining
+    return held, manager.max_batch_size, slot_bytes, "slot", manager.max_seq_len
+
+
+def kv_usage_text(stats: dict) -> str:
+    """The KV figures of ``LLM.stats()`` in words, in the cache's own unit: pages, or slots
+    whose reserved room the waste figure measures."""
+    text = (f"peak {stats['kv_pages_peak']} of {stats['kv_pages_total']} KV {stats['kv_unit']}s "
+            f"({stats['kv_unit_tokens']} tokens each")
+    if stats["kv_unit"] == "slot":
+        return text + f", reserved whole: {stats['kv_waste']:.0%} of the held slots' room unused)"
+    return text + f", {stats['kv_waste']:.0%} of the held pages' room unused)"
 
 
 def occupancy(manager: KVCacheManager, running: Sequence[EngineRequest]) -> tuple[int, int]:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine.stats import kv_usage_text
 from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
 from kvgraph.params import KVCacheParams
 
@@ -203,6 +204,9 @@ def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(llm.model, llm.tokenizer.encode(prompt), 7)
     assert llm.manager.slots_remaining == 2
+    stats = llm.stats()
+    assert (stats["kv_unit"], stats["kv_unit_tokens"], stats["kv_pages_total"]) == ("slot", 48, 2)
+    assert kv_usage_text(stats).startswith("peak 2 of 2 KV slots (48 tokens each, reserved whole: ")
 
 
 def test_a_preset_name_brings_its_model_and_tokenizer(llama, hf_greedy):
