@@ -29,7 +29,6 @@ def test_every_subcommand_has_help(command, capsys):
         (["bench", "--requests", "0"], 2, "error: argument --requests: must be a positive int, got 0"),
         (["bench", "--workload", "chat"], 2, "error: argument --workload: invalid choice: 'chat'"),
         (["bench", "--baselines", "vllm"], 1, "kvgraph bench: error: unknown baseline 'vllm'"),
-        (["dump", "--format", "svg"], 1, "kvgraph dump: error: --format svg writes one document"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys):
