@@ -47,3 +47,20 @@ def test_generate_text_output_from_a_prompts_file(kvgraph_cli, fast_flags, tmp_p
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("[0] (length, 3 tokens) ") and lines[1].startswith("[1] ")
     assert "kvgraph: compil" not in done.stderr and "generate:" not in done.stderr
+
+
+def test_compare_hf_shows_identical_ids_side_by_side_and_says_the_weights_are_random(kvgraph_cli, fast_flags):
+    done = kvgraph_cli("generate", "--prompt", "Hello from kvgraph", "--prompt", "Paged attention", "--max-new-tokens",
+                       "6", "--compare-hf", "--no-progress", "--max-seq-len", "48", *fast_flags)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("llama-tiny: Llama, 2 layers") and "seeded random weights" in out
+    assert "[0] 18 prompt tokens -> 6 new tokens, identical" in out and "[1] 15 prompt tokens -> 6 new tokens, " \
+        "identical" in out
+    for line in out.splitlines():
+        if line.strip().startswith("kvgraph "):
+            ours = line.split(maxsplit=1)[1]
+        if line.strip().startswith("HF generate "):
+            assert line.split(maxsplit=2)[2] == ours and len(ours.split()) == 6
+    assert "2/2 prompts give identical token ids. Time for the same 12 tokens: kvgraph " in out
+    assert "KV memory at the busiest step: kvgraph " in out and " KV pages (16 tokens each" in out
