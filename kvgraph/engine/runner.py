@@ -13,7 +13,7 @@ from kvgraph.engine.progress import CompileProgress
 from kvgraph.errors import BindingError, InvalidParamsError
 from kvgraph.inputs import RaggedKVCacheInputs
 
-GRAPH_LABELS = {True: "graph 2 of 2 (one new token, T == 1)", False: "graph 1 of 2 (several new tokens, T > 1)"}
+SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
 
 class ModelRunner:
@@ -80,7 +80,9 @@ class ModelRunner:
         one_token = input_ids.shape[1] == 1
         first = one_token not in self._seen
         self._seen.add(one_token)
-        show = self.progress.compiling(GRAPH_LABELS[one_token]) if first and self.progress else None
+        show = None
+        if first and self.progress is not None:
+            show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
         with show or contextlib.nullcontext(), torch.inference_mode(), bind(kv_inputs, input_row_offsets):
             out = self.compiled(input_ids=input_ids, position_ids=position_ids)
