@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         note = random_weights_note(args.model)
         if note is not None:
-            print(note)
+            print(note, file=sys.stderr, flush=True)
         for i, c in enumerate(completions):
             body = repr(c.text) if c.text is not None else " ".join(map(str, c.token_ids))
             print(f"[{i}] ({c.finish_reason}, {len(c.token_ids)} tokens) {body}")

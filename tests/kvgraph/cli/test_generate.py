@@ -54,7 +54,8 @@ def test_compare_hf_shows_identical_ids_side_by_side_and_says_the_weights_are_ra
                        "6", "--compare-hf", "--no-progress", "--max-seq-len", "48", *fast_flags)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert out.startswith("llama-tiny: Llama, 2 layers") and "seeded random weights" in out
+    note = "llama-tiny: Llama, 2 layers, hidden 64, 4 query / 2 KV heads (GQA); seeded random weights"
+    assert note in done.stderr and note not in out  # stdout: the completions and the comparison
     assert "[0] 18 prompt tokens -> 6 new tokens, identical" in out and "[1] 15 prompt tokens -> 6 new tokens, " \
         "identical" in out
     for line in out.splitlines():
