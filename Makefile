@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/kvgraph generate --model llama-tiny --prompt "Hello from kvgraph" --max-new-tokens 32
+	$(BIN)/kvgraph generate --model llama-tiny --prompt "Hello from kvgraph" \
+		--prompt "Paged attention with continuous batching" --max-new-tokens 32 --compare-hf
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgraph passes kernels tests benchmarks

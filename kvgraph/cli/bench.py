@@ -16,7 +16,15 @@ from kvgraph.cli.baselines import SystemResult, hf_generate, hf_generate_batch
 from kvgraph.cli.common import add_engine_args, add_model_args, build_llm, positive_int
 from kvgraph.cli.divergence import NOISE_FACTOR, explain
 from kvgraph.cli.floor import FLOOR_DESCRIPTION, matmul_floor
-from kvgraph.cli.report import agreement, format_table, plot, summarize, summarize_floor
+from kvgraph.cli.report import (
+    SPEEDUP_LEGEND,
+    agreement,
+    format_table,
+    plot,
+    summarize,
+    summarize_floor,
+    ttft_note,
+)
 from kvgraph.errors import InvalidParamsError
 from kvgraph.workloads import WORKLOADS, Workload, make_workload
 
@@ -48,6 +56,7 @@ def add_parser(subparsers) -> None:
                    help="exit 0 even if a baseline's greedy outputs differ from kvgraph's")
     p.add_argument("--json", dest="json_out", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="write a PNG chart of the results")
+    p.add_argument("--no-progress", action="store_true", help="no compile stages on stderr")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -84,7 +93,7 @@ def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, 
 
 def run(args: argparse.Namespace) -> int:
     baselines = parse_baselines(args.baselines)
-    llm = build_llm(args)
+    llm = build_llm(args, progress=not args.no_progress)
     if llm.vocab_size is None:
         raise InvalidParamsError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
     workload = make_workload(
@@ -100,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.max_new_tokens} new tokens each")
     kvgraph, call_shapes = run_kvgraph(llm, workload)
     results = [kvgraph]
-    log(f"kvgraph: {kvgraph.tokens_per_s:.1f} tok/s over {len(call_shapes)} model calls")
+    stats = llm.stats()
+    log(f"kvgraph: {kvgraph.tokens_per_s:.1f} tok/s over {len(call_shapes)} model calls "
+        f"({stats['warmup_graphs']} graphs compiled in warm-up, {stats['recompiles']} recompiles after it)")
     floor_s = None
     if not args.no_floor:
         floor_s = matmul_floor(llm.model, call_shapes)
@@ -130,7 +141,11 @@ def run(args: argparse.Namespace) -> int:
             a["divergences"] = explain(llm.model, workload.prompts, kvgraph.outputs, result.outputs)
             a["within_rounding"] = sum(d["within_rounding"] for d in a["divergences"])
     vs_floor = kvgraph.elapsed_s / floor_s if floor_s is not None else None
+    notes = [n for n in map(ttft_note, results) if n is not None]
     print(format_table(rows))
+    print(SPEEDUP_LEGEND)
+    for note in notes:
+        print(note)
     if vs_floor is not None:
         floor_text = f"{floor_s:.2f} s" if floor_s >= 1 else f"{floor_s * 1e3:.2f} ms"
         print(f"kvgraph: {vs_floor:.2f}x the matmul floor (floor {floor_text}: {FLOOR_DESCRIPTION})")
@@ -140,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "workload": workload.name, "requests": len(workload.prompts),
         "max_new_tokens": workload.max_new_tokens, "device": str(llm.device), "dtype": str(llm.params.dtype),
         "torch_threads": torch.get_num_threads(), "cache": args.cache, "results": rows,
-        "kvgraph_vs_floor": vs_floor, "agreement": agree, "kvgraph_stats": llm.stats(),
+        "kvgraph_vs_floor": vs_floor, "agreement": agree, "notes": notes, "kvgraph_stats": llm.stats(),
     }
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report, indent=2))

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-from kvgraph.errors import InvalidParamsError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,25 +90,17 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
 
 
-def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module | str, object | None]:
-    """The model ``--model`` names: a preset (module and byte tokenizer) or a checkpoint directory."""
-    from kvgraph.presets import is_preset, load_preset, preset_names
+def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module, object | None]:
+    """The model ``--model`` names: a preset (module and byte tokenizer, weights seeded by ``--seed``)
+    or a checkpoint directory (module, and its tokenizer when it has one)."""
+    from kvgraph.engine.loading import load_model
 
-    name = args.model
-    if is_preset(name):
-        return load_preset(name, seed=args.seed)
-    path = Path(name)
-    if path.is_dir():
-        return str(path), None
-    if "/" in name or name.startswith("."):
-        raise InvalidParamsError(f"checkpoint directory {name!r} does not exist")
-    raise InvalidParamsError(
-        f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
-    )
+    return load_model(args.model, seed=args.seed)
 
 
-def build_llm(args: argparse.Namespace):
-    """``kvgraph.LLM`` for the model and engine flags in ``args``."""
+def build_llm(args: argparse.Namespace, *, progress: bool = True):
+    """``kvgraph.LLM`` for the model and engine flags in ``args``; ``progress``: show the compile
+    stages on stderr."""
     from kvgraph.engine import LLM
 
     model, tokenizer = load_model_arg(args)
@@ -130,4 +119,5 @@ def build_llm(args: argparse.Namespace):
         freeze_weights=not args.no_freeze_weights,
         device=args.device,
         dtype=DTYPES.get(args.dtype),
+        progress=progress,
     )

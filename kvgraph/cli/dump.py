@@ -11,7 +11,6 @@ import torch
 
 from kvgraph.cli import graph_render as R
 from kvgraph.cli.common import DTYPES, add_cache_args, add_model_args, load_model_arg, positive_int
-from kvgraph.errors import InvalidParamsError
 
 STAGES = ("captured", "lowered")
 FORMATS = ("table", "fx", "mlir", "dot", "svg")
@@ -23,7 +22,8 @@ def add_parser(subparsers) -> None:
         description="Capture the model's graph with Dynamo (one prefill step), lower it onto the KV cache, "
         "and print either stage. Every format starts with the table of graph inputs (name, kind, dtype, "
         "shape with symbolic dims, device). table: one row per node; fx: Python code; mlir: torch-dialect "
-        "MLIR via torch-mlir; dot/svg: the dataflow graph with attention sites highlighted.",
+        "MLIR via torch-mlir; dot: the dataflow graph with attention sites highlighted, for Graphviz; svg: the same drawn with "
+        "networkx and matplotlib (no Graphviz needed), one panel per stage in one document.",
     )
     add_model_args(p)
     add_cache_args(p)
@@ -49,13 +49,12 @@ def capture(args: argparse.Namespace) -> Captured:
     """Run one prefill step of ``--prompt-len`` tokens through ``kvgraph.compile`` (eager inner
     compiler) and take the captured and lowered graphs from the backend."""
     import kvgraph
-    from kvgraph.engine.loading import kv_params_from_config, load_model, traced_kv_params
+    from kvgraph.engine.loading import kv_params_from_config, traced_kv_params
     from kvgraph.managers import load_kv_manager
     from kvgraph.request import KVRequest
     from kvgraph.step import run_step
 
-    source, _ = load_model_arg(args)
-    model, _ = load_model(source)
+    model, _ = load_model_arg(args)
     model = model.eval()
     if args.dtype:
         model = model.to(DTYPES[args.dtype])
@@ -88,26 +87,24 @@ def render(stages: dict[str, torch.fx.GraphModule], fmt: str, c: Captured, model
     heads = {s: header(s, gm, c, model_name) for s, gm in stages.items()}
     if fmt == "mlir":
         return R.comment("\n\n".join(heads.values()), "mlir") + "\n" + R.mlir(stages) + "\n"
+    if fmt == "svg":
+        from kvgraph.cli.graph_svg import svg
+
+        body = svg(stages)
+        at = body.find("<svg")
+        return body[:at] + R.comment("\n\n".join(heads.values()), "svg") + "\n" + body[at:]
     parts = []
     for stage, gm in stages.items():
         if fmt == "table":
             parts.append(heads[stage] + "\n\n" + R.node_table(gm) + "\n")
         elif fmt == "fx":
             parts.append(R.comment(heads[stage], "fx") + "\n" + R.fx_code(gm))
-        elif fmt == "dot":
-            parts.append(R.comment(heads[stage], "dot") + "\n" + R.dot(gm, stage) + "\n")
         else:
-            body = R.svg(R.dot(gm, stage))
-            at = body.find("<svg")
-            parts.append(body[:at] + R.comment(heads[stage], "svg") + "\n" + body[at:])
+            parts.append(R.comment(heads[stage], "dot") + "\n" + R.dot(gm, stage) + "\n")
     return "\n".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.format == "svg":
-        if args.stage == "all":
-            raise InvalidParamsError("--format svg writes one document: pick --stage captured or --stage lowered")
-        R.dot_program()
     c = capture(args)
     graphs = {"captured": c.captured, "lowered": c.lowered}
     stages = {s: graphs[s] for s in (STAGES if args.stage == "all" else (args.stage,))}

@@ -42,8 +42,12 @@ def add_parser(subparsers) -> None:
     s.add_argument("--stop-token-ids", type=int_list, default=[], help="extra stop tokens: 5,7")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     add_engine_args(p)
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run the prompts through the model's own Hugging Face generate (greedy) and show "
+                   "both systems' token ids, times and KV memory side by side")
     p.add_argument("--json", action="store_true", help="print one JSON object (completions and stats)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (compile stages, generation bar)")
     p.set_defaults(run=run)
 
 
@@ -78,14 +82,19 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvgraph.engine import SamplingParams
+    from kvgraph.engine.stats import kv_usage_text
 
     prompts = read_prompts(args)
+    if args.compare_hf and args.temperature != 0.0:
+        raise InvalidParamsError(
+            f"--compare-hf compares greedy token ids: it needs --temperature 0, got {args.temperature:g}"
+        )
     sampling = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.sampling_seed, stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos,
     )
-    llm = build_llm(args)
+    llm = build_llm(args, progress=not args.no_progress)
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
@@ -93,14 +102,22 @@ def run(args: argparse.Namespace) -> int:
     with bar:
         completions = llm.generate(prompts, sampling, on_step=lambda events: bar.update(len(events)))
     elapsed = time.perf_counter() - start
+    comparison = None
+    if args.compare_hf:
+        from kvgraph.cli.compare import compare_with_hf, comparison_lines
+        from kvgraph.engine.prompts import encode_prompt
+
+        ids = [encode_prompt(p, llm.tokenizer, llm.vocab_size, llm.max_seq_len) for p in prompts]
+        comparison = compare_with_hf(llm, ids, completions, elapsed, args.max_batch_size)
     stats = llm.stats()
     new_tokens = sum(len(c.token_ids) for c in completions)
     summary = (
         f"{len(completions)} prompts, {new_tokens} new tokens in {elapsed:.2f}s: "
         f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
-        f"peak {stats['kv_pages_peak']} KV pages, prefix hit rate {stats['prefix_hit_rate']:.0%} "
-        f"(compile and warm-up: {warmup:.1f}s, not counted)"
+        f"{kv_usage_text(stats)}, prefix hit rate {stats['prefix_hit_rate']:.0%} "
+        f"(compile and warm-up: {warmup:.1f}s, not counted: {stats['warmup_graphs']} graphs; "
+        f"{stats['recompiles']} recompiles after it)"
     )
     if args.json:
         out = {
@@ -116,11 +133,29 @@ def run(args: argparse.Namespace) -> int:
             "warmup_s": warmup,
             "tokens_per_s": new_tokens / elapsed,
             "stats": stats,
+            "compare_hf": comparison,
         }
         print(json.dumps(out, indent=2))
     else:
+        note = random_weights_note(args.model)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
         for i, c in enumerate(completions):
             body = repr(c.text) if c.text is not None else " ".join(map(str, c.token_ids))
             print(f"[{i}] ({c.finish_reason}, {len(c.token_ids)} tokens) {body}")
+        if comparison is not None:
+            print("Side by side with Hugging Face generate on the same model:")
+            print("\n".join(comparison_lines(ids, completions, comparison)))
     print(summary, file=sys.stderr)
     return 0
+
+
+def random_weights_note(model: str) -> str | None:
+    """What a preset is, and why its text reads as noise (``None`` for a checkpoint directory)."""
+    from kvgraph.presets import PRESETS
+
+    preset = PRESETS.get(model)
+    if preset is None:
+        return None
+    return (f"{model}: {preset.description}; seeded random weights (nothing downloaded), so the text is noise. "
+            "What holds is the token ids: --compare-hf checks them against Hugging Face generate.")

@@ -1,16 +1,13 @@
 """Text renderings of an FX graph for ``kvgraph dump``: input-symbol table, node table, FX code,
-torch-dialect MLIR (torch-mlir) and Graphviz DOT / SVG with the attention sites highlighted."""
+torch-dialect MLIR (torch-mlir) and Graphviz DOT with the attention sites highlighted (SVG drawing:
+``kvgraph.cli.graph_svg``)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Callable
 
 import torch
 import torch.fx
-
-from kvgraph.errors import InvalidParamsError
 
 ATTENTION_TARGETS = ("ragged_attention", "scaled_dot_product_attention")
 KV_SOURCE_PREFIX = "kv_"  # kvgraph.symbols names the sources of its symbolic dims kv_<name>
@@ -168,25 +165,6 @@ def dot(gm: torch.fx.GraphModule, name: str) -> str:
         lines.append(f"  {ids[u]} -> {ids[v]}" + (" [style=dashed];" if data.get("shape_only") else ";"))
     lines.append("}")
     return "\n".join(lines)
-
-
-def dot_program() -> str:
-    """The path of Graphviz's ``dot``; ``InvalidParamsError`` when it is not installed."""
-    exe = shutil.which("dot")
-    if exe is None:
-        raise InvalidParamsError(
-            "--format svg needs Graphviz's `dot` program on PATH (not found); use --format dot and render it "
-            "elsewhere"
-        )
-    return exe
-
-
-def svg(dot_text: str) -> str:
-    """Render DOT with Graphviz's ``dot`` program."""
-    done = subprocess.run([dot_program(), "-Tsvg"], input=dot_text, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise InvalidParamsError(f"dot -Tsvg failed: {done.stderr.strip()}")
-    return done.stdout
 
 
 def _escape(text: str) -> str:

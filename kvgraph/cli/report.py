@@ -10,6 +10,8 @@ from kvgraph.cli.floor import FLOOR_SYSTEM
 
 PERCENTILES = (50, 90, 99)
 FLOOR_LABEL = "matmul floor\n(linear layers only)"
+SPEEDUP_LEGEND = "speed-up vs system: kvgraph's tokens/s / the system's (above 1x: kvgraph is faster)"
+KV_SERIES = {"peak held": "kv_peak_bytes", "allocated": "kv_allocated_bytes"}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -26,7 +28,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(result: SystemResult, reference: SystemResult | None = None) -> dict:
     """Throughput, kvgraph's speed-up over it, TTFT and inter-token latency percentiles (ms), KV memory.
 
-    ``reference`` is kvgraph's result: ``kvgraph_speedup`` is its tokens/s over this system's.
+    ``reference`` is kvgraph's result: ``speedup_vs_system`` is its tokens/s over this system's.
     """
     return {
         **_throughput(result.name, len(result.outputs), result.new_tokens, result.elapsed_s, reference),
@@ -59,7 +61,7 @@ def _throughput(
         "new_tokens": new_tokens,
         "elapsed_s": elapsed_s,
         "tokens_per_s": tokens_per_s,
-        "kvgraph_speedup": (
+        "speedup_vs_system": (
             reference.tokens_per_s / tokens_per_s if reference is not None and tokens_per_s > 0 else None
         ),
     }
@@ -73,6 +75,24 @@ def _latencies(ttft_s: list[float], itl_s: list[float]) -> dict:
             p = percentile(values, q)
             out[f"{label}_p{q}_ms"] = None if p is None else p * 1e3
     return out
+
+
+def ttft_note(result: SystemResult) -> str | None:
+    """Why a system's TTFT percentiles are all equal, when they are: every request got its first
+    token at the same moment, since all prompts ran in one batch (``None`` otherwise)."""
+    ttft = result.ttft_s
+    if len(ttft) < 2 or max(ttft) != min(ttft):
+        return None
+    return (f"{result.name}: ttft p50 == p99 since all {len(ttft)} requests ran in one batch and got their "
+            "first token at the same moment")
+
+
+def kv_memory_mib(rows: list[dict]) -> dict[str, list[float | None]]:
+    """Per KV figure (peak held, allocated), each row's value in MiB (``None``: not measured), so
+    that a chart sets peak against peak and allocation against allocation."""
+    return {
+        label: [None if r[key] is None else r[key] / 2**20 for r in rows] for label, key in KV_SERIES.items()
+    }
 
 
 def agreement(reference: SystemResult, other: SystemResult) -> dict:
@@ -92,7 +112,7 @@ def format_table(rows: list[dict]) -> str:
     """The summaries as an aligned text table."""
     cols = [
         ("system", "system", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
-        ("kvgraph speed-up vs system", "kvgraph_speedup", "{:#.3g}x"),
+        ("speed-up vs system", "speedup_vs_system", "{:#.3g}x"),
         ("ttft p50 ms", "ttft_p50_ms", "{:.1f}"), ("ttft p99 ms", "ttft_p99_ms", "{:.1f}"),
         ("itl p50 ms", "itl_p50_ms", "{:.2f}"), ("itl p90 ms", "itl_p90_ms", "{:.2f}"),
         ("itl p99 ms", "itl_p99_ms", "{:.2f}"),
@@ -139,9 +159,14 @@ def plot(rows: list[dict], title: str, path: Path) -> Path:
         ax.set_xticks(range(len(systems)), names)
         ax.set_title(f"{'time to first token' if label == 'ttft' else 'inter-token latency'} (ms)")
         ax.legend()
-    axes[1][1].bar(names, [(r["kv_peak_bytes"] or r["kv_allocated_bytes"] or 0) / 2**20 for r in systems],
-                   color="tab:green")
-    axes[1][1].set_title("KV memory, peak held (else allocated), MiB")
+    kv, width = kv_memory_mib(systems), 0.4
+    for k, (label, values) in enumerate(kv.items()):
+        xs = [i + (k - 0.5) * width for i in range(len(systems))]
+        bars = axes[1][1].bar(xs, [v or 0.0 for v in values], width, label=label)
+        axes[1][1].bar_label(bars, ["n/a" if v is None else "" for v in values], fontsize=7)
+    axes[1][1].set_xticks(range(len(systems)), names)
+    axes[1][1].set_title("KV memory (MiB): peak held by sequences, allocated")
+    axes[1][1].legend()
     for ax in axes.flat:
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(title)

@@ -19,6 +19,7 @@ from kvgraph.engine.loading import (
     traced_kv_params,
     vocab_size,
 )
+from kvgraph.engine.progress import CompileProgress
 from kvgraph.engine.prompts import Prompt, as_prompt_list, capacity_text, check_fits, encode_prompt
 from kvgraph.engine.requests import (
     Completion,
@@ -26,7 +27,7 @@ from kvgraph.engine.requests import (
     FinishReason,
     TokenEvent,
 )
-from kvgraph.engine.runner import ModelRunner
+from kvgraph.engine.runner import ModelRunner, compiled_graphs
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
@@ -52,6 +53,8 @@ class LLM:
     ``num_steps > 1`` runs batches of decodes that many steps back to back.
     ``freeze_weights`` (Inductor only) compiles the weights in as constants with prepacked
     linear layers: faster, but later edits of the module's parameters are not seen.
+    ``progress`` shows on stderr what the first call of each step shape is compiling (stage and
+    seconds so far); ``warmup()`` runs those calls ahead of serving.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class LLM:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
+        progress: bool = True,
     ) -> None:
         for name, value in (
             ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
@@ -92,10 +96,12 @@ class LLM:
         self.vocab_size = vocab_size(self.model)
         import kvgraph
 
+        shown = CompileProgress(compile) if progress else None
         self.compiled = kvgraph.compile(
-            self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights
+            self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights,
+            dump=shown.dump if shown else None,
         )
-        self.runner = ModelRunner(self.compiled)
+        self.runner = ModelRunner(self.compiled, shown)
         self.scheduler = Scheduler(
             self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
             max_seq_len=max_seq_len, num_steps=num_steps,
@@ -219,6 +225,7 @@ class LLM:
         if not out.entries:
             self._no_progress(out)
             return []
+        compile_s = self.runner.compile_s
         try:
             run = self._run(out)
         except BaseException:
@@ -227,7 +234,8 @@ class LLM:
             raise
         events = self._commit(out, run, detokenize)
         self._stats.record_step(
-            len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps
+            len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps,
+            compiled=self.runner.compile_s > compile_s,
         )
         self._record_pages()
         self._stats.record_occupancy(*occupancy(self.manager, self.scheduler.running))
@@ -319,7 +327,8 @@ class LLM:
     def warmup(self) -> float:
         """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
         specialises (several tokens per step; one token per step, ``T == 1``), then reset
-        the stats. Returns the seconds it took."""
+        the stats, so that the first real request runs at full speed. Without it the first
+        requests wait for the compile. Returns the seconds it took."""
         start = time.perf_counter()
         quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
         self.generate([[0, 0, 0], [0, 0]], quick)
@@ -329,11 +338,14 @@ class LLM:
 
     # -- stats --
     def stats(self) -> dict:
-        """Throughput (prefill and decode tokens/s), steps, batch-size histogram, KV pages
-        used/free/peak (slots for the continuous cache), KV waste, prefix hit rate, preemptions, and
-        compiled graphs (``recompiles`` counts those after the first)."""
+        """Throughput (prefill and decode tokens/s, steps that compiled left out: their time is
+        ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
+        continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
+        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step."""
         self._record_pages()
-        self._stats.compiled_graphs = _compiled_graphs(self.compiled)
+        self._stats.compiled_graphs = compiled_graphs(self.compiled)
+        self._stats.warmup_graphs = self.runner.warmup_graphs
+        self._stats.recompiles = self.runner.recompiles
         return self._stats.as_dict()
 
     def reset_stats(self) -> None:
@@ -394,8 +406,3 @@ class _AbortOnExit:
             if exc[0] is not None:
                 self.llm._requests.pop(i, None)
 
-
-def _compiled_graphs(compiled: object) -> int:
-    """Graphs Dynamo handed to the kvgraph backend (a decode step, ``T == 1``, has its own)."""
-    backend = getattr(compiled, "backend", None)
-    return len(getattr(backend, "runners", ()))

@@ -1,4 +1,4 @@
-"""Resolve what ``LLM`` was given: a module or a local Hugging Face checkpoint, and its tokenizer."""
+"""Resolve what ``LLM`` was given: a module, a preset name or a local Hugging Face checkpoint, and its tokenizer."""
 
 from __future__ import annotations
 
@@ -15,23 +15,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_model(
-    model: torch.nn.Module | str | Path, tokenizer: object | None = None
+    model: torch.nn.Module | str | Path, tokenizer: object | None = None, *, seed: int = 0
 ) -> tuple[torch.nn.Module, object | None]:
     """The module and tokenizer ``LLM`` runs.
 
-    ``model`` is an ``nn.Module`` (returned as is, with ``tokenizer``) or the path of a
-    local Hugging Face checkpoint directory, loaded with ``local_files_only=True``
-    together with its tokenizer when the directory has one and ``tokenizer`` is ``None``.
+    ``model`` is one of
+    - an ``nn.Module``: returned as is, with ``tokenizer``;
+    - the name of a built-in preset (``kvgraph.presets``: ``"llama-tiny"``, ...): its model with
+      random weights seeded by ``seed``, and its byte-level tokenizer unless ``tokenizer`` is given;
+    - the path of a local Hugging Face checkpoint directory, loaded with ``local_files_only=True``
+      together with its tokenizer when the directory has one and ``tokenizer`` is ``None``.
     """
+    from kvgraph.presets import is_preset, load_preset, preset_names
+
     if isinstance(model, torch.nn.Module):
         return model, tokenizer
     if not isinstance(model, (str, Path)):
         raise InvalidParamsError(
-            f"model must be an nn.Module or a checkpoint directory, got {type(model).__name__}"
+            f"model must be an nn.Module, a preset name or a checkpoint directory, got {type(model).__name__}"
         )
+    if isinstance(model, str) and is_preset(model):
+        module, preset_tokenizer = load_preset(model, seed=seed)
+        return module, tokenizer if tokenizer is not None else preset_tokenizer
     path = Path(model)
     if not path.is_dir():
-        raise InvalidParamsError(f"checkpoint directory {str(path)!r} does not exist")
+        name = str(model)
+        if "/" in name or name.startswith("."):
+            raise InvalidParamsError(f"checkpoint directory {name!r} does not exist")
+        raise InvalidParamsError(
+            f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
+        )
     if not (path / "config.json").is_file():
         raise InvalidParamsError(f"checkpoint directory {str(path)!r} has no config.json")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
+from kvgraph.engine.progress import CompileProgress
 from kvgraph.errors import BindingError, InvalidParamsError
 from kvgraph.inputs import RaggedKVCacheInputs
+
+SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
 
 class ModelRunner:
@@ -18,11 +23,23 @@ class ModelRunner:
         compiled: the callable from ``kvgraph.compile`` (with pruned logits):
             ``compiled(input_ids=[1, T], position_ids=[1, T])`` under ``kvgraph.bind`` returns the
             model output, whose logits are ``[1, batch, V]``: one row per sequence's last new token.
+        progress: shows the first call of each shape class (``T > 1``, ``T == 1``) compiling, stage
+            by stage (``None``: silent).
+
+    Attributes:
+        compile_s: wall time of the calls that compiled a graph (their run included).
+        warmup_graphs: graphs compiled by the first call of each shape class: the expected ones.
+        recompiles: graphs compiled by any later call (a guard failed; none are expected).
     """
 
-    def __init__(self, compiled: Callable) -> None:
+    def __init__(self, compiled: Callable, progress: CompileProgress | None = None) -> None:
         self.compiled = compiled
+        self.progress = progress
+        self.compile_s = 0.0
+        self.warmup_graphs = 0
+        self.recompiles = 0
         self._shapes: list[tuple[int, int]] | None = None
+        self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
 
     @contextmanager
     def record_shapes(self) -> Iterator[list[tuple[int, int]]]:
@@ -60,8 +77,22 @@ class ModelRunner:
         batch = input_row_offsets.shape[0] - 1
         if self._shapes is not None:
             self._shapes.append((input_ids.shape[1], batch))
-        with torch.inference_mode(), bind(kv_inputs, input_row_offsets):
+        one_token = input_ids.shape[1] == 1
+        first = one_token not in self._seen
+        self._seen.add(one_token)
+        show = None
+        if first and self.progress is not None:
+            show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
+        graphs, start = compiled_graphs(self.compiled), time.perf_counter()
+        with show or contextlib.nullcontext(), torch.inference_mode(), bind(kv_inputs, input_row_offsets):
             out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+        new = compiled_graphs(self.compiled) - graphs
+        if new:
+            self.compile_s += time.perf_counter() - start
+            if first:
+                self.warmup_graphs += new
+            else:
+                self.recompiles += new
         # logits: [1, batch, V]
         logits = _logits(out)
         if logits.dim() != 3 or logits.shape[:2] != (1, batch):
@@ -84,3 +115,9 @@ def _logits(out: object) -> torch.Tensor:
     raise InvalidParamsError(
         f"model output {type(out).__name__} carries no logits tensor; LLM needs a module returning logits"
     )
+
+
+def compiled_graphs(compiled: object) -> int:
+    """Graphs Dynamo handed to the kvgraph backend of ``compiled`` (a ``kvgraph.compile`` result)."""
+    backend = getattr(compiled, "backend", None)
+    return len(getattr(backend, "runners", ()))

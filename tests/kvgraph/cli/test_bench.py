@@ -16,7 +16,7 @@ def test_bench_compares_with_both_hf_baselines_and_writes_json_and_png(kvgraph_c
     for row in rows.values():
         assert row["new_tokens"] == 16 and row["tokens_per_s"] > 0
         assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] is not None
-    assert rows["kvgraph"]["kvgraph_speedup"] == 1.0
+    assert rows["kvgraph"]["speedup_vs_system"] == 1.0
     assert floor["new_tokens"] == 16 and floor["ttft_p50_ms"] is None and floor["kv_peak_bytes"] is None
     assert report["kvgraph_vs_floor"] == rows["kvgraph"]["elapsed_s"] / floor["elapsed_s"]
     assert report["torch_threads"] >= 1 and report["dtype"] == "torch.float32"
@@ -27,6 +27,12 @@ def test_bench_compares_with_both_hf_baselines_and_writes_json_and_png(kvgraph_c
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy outputs vs hf-generate: 4/4 requests identical" in done.stdout
     assert "x the matmul floor (floor " in done.stdout
+    assert "speed-up vs system: kvgraph's tokens/s / the system's" in done.stdout
+    # 4 requests, --max-batch-size 4: HF's padded generate runs them as one batch
+    note = "hf-generate: ttft p50 == p99 since all 4 requests ran in one batch"
+    assert note in done.stdout and any(n.startswith(note) for n in report["notes"])
+    assert report["kvgraph_stats"]["warmup_graphs"] == 2 and report["kvgraph_stats"]["recompiles"] == 0
+    assert "2 graphs compiled in warm-up, 0 recompiles after it" in done.stderr
 
 
 def test_bench_no_floor_leaves_out_the_floor_row(kvgraph_cli, fast_flags, tmp_path):

@@ -11,9 +11,9 @@ def dumped(tmp_path_factory):
 
     torch._dynamo.reset()
     out = tmp_path_factory.mktemp("dump")
-    for fmt in ("table", "dot"):
+    for fmt in ("table", "dot", "svg"):
         assert main(["dump", "--model", "gpt2-tiny", "--format", fmt, "-o", str(out / fmt)]) == 0
-    return {fmt: (out / fmt).read_text() for fmt in ("table", "dot")}
+    return {fmt: (out / fmt).read_text() for fmt in ("table", "dot", "svg")}
 
 
 def test_table_heads_each_stage_with_its_inputs_and_lists_nodes(dumped):
@@ -36,3 +36,17 @@ def test_dot_highlights_the_attention_sites(dumped):
     lowered = text.split('digraph "lowered"')[1]
     assert all("ragged_attention" in line for line in lowered.splitlines() if "#e06666" in line)
     assert text.splitlines()[0].startswith("// kvgraph dump: gpt2-tiny, stage captured")
+
+
+def test_svg_draws_both_stages_in_one_document_without_graphviz(dumped, monkeypatch):
+    import xml.etree.ElementTree as ET
+
+    text = dumped["svg"]
+    assert text.index("<!--\nkvgraph dump: gpt2-tiny, stage captured") < text.index("<svg")
+    root = ET.fromstring(text[text.index("<svg"):])
+    ns = {"svg": "http://www.w3.org/2000/svg"}
+    panels = {g.get("id"): " ".join(t.text or "" for t in g.iter("{http://www.w3.org/2000/svg}text"))
+              for g in root.iterfind(".//svg:g", ns) if (g.get("id") or "").startswith("stage-")}
+    assert set(panels) == {"stage-captured", "stage-lowered"}
+    assert "scaled_dot_product_attention" in panels["stage-captured"] and "ragged_attention" not in panels["stage-captured"]
+    assert "ragged_attention" in panels["stage-lowered"] and "scaled_dot_product_attention" not in panels["stage-lowered"]

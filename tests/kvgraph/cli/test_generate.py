@@ -30,6 +30,12 @@ def test_generate_json_matches_hf_greedy_and_reports_throughput(kvgraph_cli, fas
     summary = done.stderr.strip().splitlines()[-1]
     assert summary.startswith("2 prompts, 10 new tokens in") and "tok/s" in summary
     assert "generate:" in done.stderr  # the progress bar
+    assert done.stderr.count("kvgraph: the first step with several new tokens (T > 1)") == 1
+    for stage in ("capturing the model with Dynamo", "lowering attention onto the KV cache",
+                  "compiling the lowered graph with eager"):
+        assert f"kvgraph: compiling graph 1 of 2 (several new tokens, T > 1): {stage}" in done.stderr
+    assert "kvgraph: compiled graph 2 of 2 (one new token, T == 1) in " in done.stderr
+    assert out["stats"]["warmup_graphs"] == 2 and out["stats"]["recompiles"] == 0
 
 
 def test_generate_text_output_from_a_prompts_file(kvgraph_cli, fast_flags, tmp_path):
@@ -40,3 +46,22 @@ def test_generate_text_output_from_a_prompts_file(kvgraph_cli, fast_flags, tmp_p
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("[0] (length, 3 tokens) ") and lines[1].startswith("[1] ")
+    assert "kvgraph: compil" not in done.stderr and "generate:" not in done.stderr
+
+
+def test_compare_hf_shows_identical_ids_side_by_side_and_says_the_weights_are_random(kvgraph_cli, fast_flags):
+    done = kvgraph_cli("generate", "--prompt", "Hello from kvgraph", "--prompt", "Paged attention", "--max-new-tokens",
+                       "6", "--compare-hf", "--no-progress", "--max-seq-len", "48", *fast_flags)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    note = "llama-tiny: Llama, 2 layers, hidden 64, 4 query / 2 KV heads (GQA); seeded random weights"
+    assert note in done.stderr and note not in out  # stdout: the completions and the comparison
+    assert "[0] 18 prompt tokens -> 6 new tokens, identical" in out and "[1] 15 prompt tokens -> 6 new tokens, " \
+        "identical" in out
+    for line in out.splitlines():
+        if line.strip().startswith("kvgraph "):
+            ours = line.split(maxsplit=1)[1]
+        if line.strip().startswith("HF generate "):
+            assert line.split(maxsplit=2)[2] == ours and len(ours.split()) == 6
+    assert "2/2 prompts give identical token ids. Time for the same 12 tokens: kvgraph " in out
+    assert "KV memory at the busiest step: kvgraph " in out and " KV pages (16 tokens each" in out

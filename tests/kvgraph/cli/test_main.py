@@ -26,10 +26,11 @@ def test_every_subcommand_has_help(command, capsys):
         (["generate", "--prompt-ids", "1,x"], 2, "error: argument --prompt-ids: expected comma-separated ints"),
         (["generate", "--prompts-file", "/no/such/prompts.txt"], 1,
          "kvgraph generate: error: prompts file '/no/such/prompts.txt' does not exist"),
+        (["generate", "--compare-hf", "--temperature", "0.7"], 1,
+         "kvgraph generate: error: --compare-hf compares greedy token ids: it needs --temperature 0, got 0.7"),
         (["bench", "--requests", "0"], 2, "error: argument --requests: must be a positive int, got 0"),
         (["bench", "--workload", "chat"], 2, "error: argument --workload: invalid choice: 'chat'"),
         (["bench", "--baselines", "vllm"], 1, "kvgraph bench: error: unknown baseline 'vllm'"),
-        (["dump", "--format", "svg"], 1, "kvgraph dump: error: --format svg writes one document"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys):

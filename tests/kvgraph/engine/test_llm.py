@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine.stats import kv_usage_text
 from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
 from kvgraph.params import KVCacheParams
 
@@ -148,7 +149,7 @@ def test_text_prompts_are_tokenized_and_detokenized(llm, llama, hf_greedy):
 
 
 def test_stats_report_the_documented_figures(llm):
-    llm.reset_stats()
+    llm.warmup()  # compiled steps are left out of the rates
     llm.generate([[250, 251, 252], [253, 254]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     stats = llm.stats()
     assert stats["batch_size_histogram"] == {2: 4}
@@ -203,6 +204,36 @@ def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(llm.model, llm.tokenizer.encode(prompt), 7)
     assert len(llm.manager.slots_remaining) == 2
+    stats = llm.stats()
+    assert (stats["kv_unit"], stats["kv_unit_tokens"], stats["kv_pages_total"]) == ("slot", 48, 2)
+    assert kv_usage_text(stats).startswith("peak 2 of 2 KV slots (48 tokens each, reserved whole: ")
+
+
+def test_a_preset_name_brings_its_model_and_tokenizer(llama, hf_greedy):
+    llm = LLM("llama-tiny", max_batch_size=2, max_seq_len=48, compile="eager")
+    (out,) = llm.generate("a text prompt", SamplingParams(max_new_tokens=5, ignore_eos=True))
+    model, tokenizer = llama
+    assert out.token_ids == hf_greedy(model, tokenizer.encode("a text prompt"), 5)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_rates_leave_out_the_steps_that_compiled(llama):
+    model, tokenizer = llama
+    llm = LLM(model, tokenizer=tokenizer, max_batch_size=2, max_seq_len=48, compile="eager", progress=False)
+    llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    stats = llm.stats()
+    # prefill (T = 3) compiles graph 1, the first decode (T = 1) graph 2; only the last decode is timed
+    assert stats["steps"] == 3 and stats["compile_steps"] == 2 and stats["compile_time_s"] > 0
+    assert stats["prefill_tokens"] == 3 and stats["prefill_time_s"] == 0 and stats["prefill_tokens_per_s"] == 0
+    assert stats["decode_tokens"] == 2 and stats["decode_tokens_per_s"] == 1 / stats["decode_time_s"]
+    assert stats["warmup_graphs"] == stats["compiled_graphs"] == 2 and stats["recompiles"] == 0
+    llm.warmup()
+    assert llm.stats()["compile_steps"] == 0 and llm.stats()["warmup_graphs"] == 2
+
+
+def test_an_unknown_model_name_lists_the_presets():
+    with pytest.raises(InvalidParamsError, match="unknown model 'llama-huge': not a preset \\(llama-tiny, "):
+        LLM("llama-huge")
 
 
 class TinyGPT(torch.nn.Module):

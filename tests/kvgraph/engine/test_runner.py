@@ -36,3 +36,36 @@ def test_engine_records_one_shape_per_model_call(llama):
     with llm.runner.record_shapes() as shapes:
         llm.generate([[5] * 30, [6] * 9, [7] * 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert shapes == [(42, 3), (3, 3), (3, 3)]
+
+
+class _Compiling:
+    """A compiled model whose backend gains a graph on the first call of each shape class and on
+    any call with 9 new tokens (a recompile); returns meta logits."""
+
+    def __init__(self) -> None:
+        self.backend = type("Backend", (), {"runners": []})()
+        self.classes: set[bool] = set()
+
+    def __call__(self, input_ids, position_ids):
+        tokens = input_ids.shape[1]
+        if tokens == 9 or (tokens == 1) not in self.classes:
+            self.backend.runners.append(tokens)
+        self.classes.add(tokens == 1)
+        return torch.empty(1, 2, 10, device="meta")
+
+
+def test_runner_counts_warm_up_graphs_apart_from_recompiles_and_labels_them_in_call_order():
+    import io
+
+    from kvgraph.engine.progress import CompileProgress
+
+    out = io.StringIO()
+    runner = ModelRunner(_Compiling(), CompileProgress("eager", out))
+    for tokens in (1, 4, 1, 9, 5):
+        runner(*_meta_step(tokens, 2))
+    assert (runner.warmup_graphs, runner.recompiles) == (2, 1) and runner.compile_s > 0
+    done = [line for line in out.getvalue().splitlines() if line.startswith("kvgraph: compiled ")]
+    assert [line.split(" in ")[0] for line in done] == [
+        "kvgraph: compiled graph 1 of 2 (one new token, T == 1)",
+        "kvgraph: compiled graph 2 of 2 (several new tokens, T > 1)",
+    ]
