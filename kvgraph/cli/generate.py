@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = build_llm(args)
+    if llm is None:
+        return 0
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
@@ -123,4 +125,5 @@ def run(args: argparse.Namespace) -> int:
             body = repr(c.text) if c.text is not None else " ".join(map(str, c.token_ids))
             print(f"[{i}] ({c.finish_reason}, {len(c.token_ids)} tokens) {body}")
     print(summary, file=sys.stderr)
+    llm.close()
     return 0

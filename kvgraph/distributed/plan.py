@@ -58,7 +58,7 @@ class ShardingPlan:
     def of(cls, model: nn.Module, world_size: int, params: KVCacheParams) -> ShardingPlan:
         """The plan of ``model`` over ``world_size`` ranks; ``InvalidParamsError`` when the model
         has no splittable projections or a size (heads, MLP width) does not divide."""
-        colwise, rowwise = [], []
+        colwise, rowwise, uneven = [], [], []
         n_heads = None
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
@@ -76,10 +76,7 @@ class ShardingPlan:
                 )
             size = module.out_features if leaf in COLWISE else module.in_features
             if size % world_size:
-                raise InvalidParamsError(
-                    f"tensor_parallel_size={world_size} does not divide the {size} "
-                    f"{'output' if leaf in COLWISE else 'input'} features of {name!r}"
-                )
+                uneven.append(f"the {size} {'output' if leaf in COLWISE else 'input'} features of {name!r}")
             (colwise if leaf in COLWISE else rowwise).append(name)
             if leaf == "q_proj" and n_heads is None:
                 n_heads = module.out_features // params.head_dim
@@ -90,6 +87,8 @@ class ShardingPlan:
             )
         plan = cls(tuple(colwise), tuple(rowwise), world_size, n_heads, params.n_kv_heads)
         plan.check_heads()
+        if uneven:
+            raise InvalidParamsError(f"tensor_parallel_size={world_size} does not divide {uneven[0]}")
         return plan
 
     def check_heads(self) -> None:
