@@ -61,3 +61,8 @@ class BindingError(RuntimeError):
 
 class LoweringError(RuntimeError):
     """A graph pass met an attention site (or graph) it cannot lower correctly."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a tensor-parallel group died, hung past its timeout or could not start; the
+    message names it. The group is shut down: the ``LLM`` that owned it takes no more steps."""

@@ -13,7 +13,13 @@ from pathlib import Path
 import torch
 
 from kvgraph.cli.baselines import SystemResult, hf_generate, hf_generate_batch
-from kvgraph.cli.common import add_engine_args, add_model_args, build_llm, positive_int
+from kvgraph.cli.common import (
+    add_engine_args,
+    add_model_args,
+    build_llm,
+    positive_int,
+    unsharded_model,
+)
 from kvgraph.cli.divergence import NOISE_FACTOR, explain
 from kvgraph.cli.floor import FLOOR_DESCRIPTION, matmul_floor
 from kvgraph.cli.report import (
@@ -94,6 +100,8 @@ def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, 
 def run(args: argparse.Namespace) -> int:
     baselines = parse_baselines(args.baselines)
     llm = build_llm(args, progress=not args.no_progress)
+    if llm is None:
+        return 0
     if llm.vocab_size is None:
         raise InvalidParamsError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
     workload = make_workload(
@@ -108,24 +116,26 @@ def run(args: argparse.Namespace) -> int:
     log(f"workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
         f"{workload.max_new_tokens} new tokens each")
     kvgraph, call_shapes = run_kvgraph(llm, workload)
+    llm.close()
+    model = unsharded_model(args, llm)
     results = [kvgraph]
     stats = llm.stats()
     log(f"kvgraph: {kvgraph.tokens_per_s:.1f} tok/s over {len(call_shapes)} model calls "
         f"({stats['warmup_graphs']} graphs compiled in warm-up, {stats['recompiles']} recompiles after it)")
     floor_s = None
     if not args.no_floor:
-        floor_s = matmul_floor(llm.model, call_shapes)
+        floor_s = matmul_floor(model, call_shapes)
         log(f"matmul floor: {kvgraph.new_tokens / floor_s:.1f} tok/s")
-    pad_id = getattr(llm.model.config, "pad_token_id", None) or 0
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
     for name in baselines:
         if name == "hf-generate":
             result = hf_generate(
-                llm.model, workload.prompts, workload.max_new_tokens,
+                model, workload.prompts, workload.max_new_tokens,
                 args.hf_batch_size or args.max_batch_size, llm.params, pad_id,
             )
         else:
             result = hf_generate_batch(
-                llm.model, workload.prompts, workload.max_new_tokens, num_pages=_pool_pages(llm, args.page_size),
+                model, workload.prompts, workload.max_new_tokens, num_pages=_pool_pages(llm, args.page_size),
                 page_size=args.page_size, max_batch_size=args.max_batch_size,
                 max_batch_tokens=args.max_batch_tokens, params=llm.params, pad_id=pad_id,
             )
@@ -138,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     for a, result in zip(agree, results[1:], strict=True):
         if a["identical"] != a["requests"]:
             log(f"explaining {a['requests'] - a['identical']} mismatches vs {a['system']} with the model's own logits")
-            a["divergences"] = explain(llm.model, workload.prompts, kvgraph.outputs, result.outputs)
+            a["divergences"] = explain(model, workload.prompts, kvgraph.outputs, result.outputs)
             a["within_rounding"] = sum(d["within_rounding"] for d in a["divergences"])
     vs_floor = kvgraph.elapsed_s / floor_s if floor_s is not None else None
     notes = [n for n in map(ttft_note, results) if n is not None]

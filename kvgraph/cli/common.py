@@ -82,6 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the weights as graph inputs instead of compiling them in as prepacked "
                    "constants (Inductor's freezing)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="split the model's heads and MLP over this many ranks (default 1): spawned on "
+                   "this host, or the ranks torchrun started")
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -100,11 +103,12 @@ def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module, object | 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = True):
     """``kvgraph.LLM`` for the model and engine flags in ``args``; ``progress``: show the compile
-    stages on stderr."""
+    stages on stderr. ``None`` on a rank other than 0 of a ``torchrun`` group, once rank 0 has
+    finished (that rank has nothing left to do)."""
     from kvgraph.engine import LLM
 
     model, tokenizer = load_model_arg(args)
-    return LLM(
+    llm = LLM(
         model,
         tokenizer=tokenizer,
         cache_strategy=args.cache,
@@ -120,4 +124,17 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         device=args.device,
         dtype=DTYPES.get(args.dtype),
         progress=progress,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    return llm if llm.tp is None or llm.tp.is_driver else None
+
+
+def unsharded_model(args: argparse.Namespace, llm) -> torch.nn.Module:
+    """The engine's model as one process runs it: ``llm.model``, or a fresh copy when tensor
+    parallelism split ``llm.model`` (its layers then take part in collectives)."""
+    if llm.tp is None:
+        return llm.model
+    from kvgraph.engine.loading import load_model
+
+    module, _ = load_model(load_model_arg(args)[0])
+    return module.to(device=llm.device, dtype=DTYPES.get(args.dtype)).eval()

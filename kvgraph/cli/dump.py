@@ -31,6 +31,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--format", choices=FORMATS, default="table", help="default: table")
     p.add_argument("--prompt-len", type=positive_int, default=8, help="tokens of the example step (default 8)")
     p.add_argument("--no-prune-logits", action="store_true", help="keep logits for every token")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="show rank 0's graph of the model split over this many ranks: Hq/N and Hkv/N "
+                   "heads, all-reduces after the attention and MLP outputs (default 1)")
     p.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     p.set_defaults(run=run)
 
@@ -43,6 +46,7 @@ class Captured:
     lowered: torch.fx.GraphModule
     kv_inputs: list[str]
     sites: list
+    tensor_parallel_size: int = 1
 
 
 def capture(args: argparse.Namespace) -> Captured:
@@ -61,6 +65,10 @@ def capture(args: argparse.Namespace) -> Captured:
     device = next(model.parameters()).device
     kw = dict(cache_strategy=args.cache, page_size=args.page_size, enable_prefix_caching=False, device=device)
     params = kv_params_from_config(model, **kw) or traced_kv_params(model, **kw)
+    if args.tensor_parallel_size > 1:
+        from kvgraph.distributed.single_rank import shard_as_rank_zero
+
+        params = shard_as_rank_zero(model, args.tensor_parallel_size, params)
     manager = load_kv_manager(params, 1, args.prompt_len)
     compiled = kvgraph.compile(model, manager=manager, inner="eager", prune_logits=not args.no_prune_logits)
     (seq,) = manager.claim(1)
@@ -68,7 +76,9 @@ def capture(args: argparse.Namespace) -> Captured:
         run_step(compiled, manager, [KVRequest(seq, list(range(3, 3 + args.prompt_len)))])
     runner = compiled.backend.runners[0]
     result = next(iter(runner.layouts.values())).result
-    return Captured(runner.gm, result.gm, list(result.kv_placeholders), list(result.sites))
+    return Captured(
+        runner.gm, result.gm, list(result.kv_placeholders), list(result.sites), args.tensor_parallel_size
+    )
 
 
 def header(stage: str, gm: torch.fx.GraphModule, c: Captured, model_name: str) -> str:
@@ -79,7 +89,14 @@ def header(stage: str, gm: torch.fx.GraphModule, c: Captured, model_name: str) -
         return "kv" if node.name in c.kv_inputs else placeholder_kind(node)
 
     sites = sum(R.is_attention(n) for n in gm.graph.nodes)
-    return f"kvgraph dump: {model_name}, stage {stage}, {sites} attention sites\n\n" + R.input_table(gm, kind)
+    title = f"kvgraph dump: {model_name}, stage {stage}, {sites} attention sites"
+    if c.tensor_parallel_size > 1:
+        from kvgraph.distributed.single_rank import all_reduces
+
+        reduces = [n.name for n in all_reduces(gm)]
+        title += (f"\nrank 0 of {c.tensor_parallel_size}: {len(reduces)} all-reduces (Partial -> Replicate): "
+                  f"{', '.join(reduces)}")
+    return title + "\n\n" + R.input_table(gm, kind)
 
 
 def render(stages: dict[str, torch.fx.GraphModule], fmt: str, c: Captured, model_name: str) -> str:

@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = build_llm(args, progress=not args.no_progress)
+    if llm is None:
+        return 0
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
@@ -147,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             print("Side by side with Hugging Face generate on the same model:")
             print("\n".join(comparison_lines(ids, completions, comparison)))
     print(summary, file=sys.stderr)
+    llm.close()
     return 0
 
 

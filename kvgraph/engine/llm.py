@@ -55,6 +55,10 @@ class LLM:
     linear layers: faster, but later edits of the module's parameters are not seen.
     ``progress`` shows on stderr what the first call of each step shape is compiling (stage and
     seconds so far); ``warmup()`` runs those calls ahead of serving.
+    ``tensor_parallel_size=N`` splits the model's heads and MLP over ``N`` ranks (see
+    ``kvgraph.distributed``): this process is rank 0 and spawns the others, unless a process
+    group or ``torchrun`` already set the ranks up; on a rank other than 0 the constructor runs
+    rank 0's steps until rank 0 calls ``close``. ``kv_cache_memory`` is then over all ranks.
     """
 
     def __init__(
@@ -75,10 +79,13 @@ class LLM:
         dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
         progress: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        engine_args = {k: v for k, v in locals().items() if k not in ("self", "model", "tokenizer", "tensor_parallel_size")}
         for name, value in (
             ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
             ("max_batch_tokens", max_batch_tokens), ("num_steps", num_steps),
+            ("tensor_parallel_size", tensor_parallel_size),
         ):
             check_positive_int(name, value)
         if kv_cache_memory is not None:
@@ -88,8 +95,19 @@ class LLM:
         strategy = KVCacheStrategy.parse(cache_strategy)
         module, self.tokenizer = load_model(model, tokenizer)
         self.device = resolve_device(device)
+        self.tp = None
+        if tensor_parallel_size > 1:
+            from kvgraph.distributed.group import local_device
+
+            self.device = local_device(self.device, tensor_parallel_size)
         self.model = module.to(device=self.device, dtype=dtype).eval()
         self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
+        if tensor_parallel_size > 1:
+            from kvgraph.distributed import TensorParallel
+
+            self.tp = TensorParallel.start(self.model, tensor_parallel_size, self.params, self.device, engine_args)
+            self.params = self.tp.local_params(self.params)
+            kv_cache_memory = kv_cache_memory and kv_cache_memory // tensor_parallel_size
         self.manager = make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
         self.max_seq_len = max_seq_len
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
@@ -101,7 +119,10 @@ class LLM:
             self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights,
             dump=shown.dump if shown else None,
         )
-        self.runner = ModelRunner(self.compiled, shown)
+        self.runner = (
+            ModelRunner(self.compiled, shown) if self.tp is None
+            else self.tp.runner(self.compiled, self.manager, shown)
+        )
         self.scheduler = Scheduler(
             self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
             max_seq_len=max_seq_len, num_steps=num_steps,
@@ -109,6 +130,14 @@ class LLM:
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
         self._next_id = 0
+        if self.tp is not None and not self.tp.is_driver:
+            self.runner.serve()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine and leave its group (nothing otherwise)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _kv_params(self, strategy: KVCacheStrategy, page_size: int, prefix_caching: bool) -> KVCacheParams:
         """From a Hugging Face config when there is one, else from the attention sites of the graph."""

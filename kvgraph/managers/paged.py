@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,14 @@ class _Plan:
     num_alloc: int
     fresh: bool
     """The sequence was never stepped: its first fetch, which may hit the prefix cache."""
+
+
+def copy_page_rows(blocks: torch.Tensor, src: int, dst: int, n: int) -> None:
+    """Copy the first ``n`` token rows of every layer's K and V of page ``src`` into page ``dst``.
+
+    ``blocks``: ``[num_pages, 2, L, page_size, H, D]`` (one device's heads).
+    """
+    blocks[dst, :, :, :n].copy_(blocks[src, :, :, :n])
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -111,6 +119,9 @@ class PagedKVCacheManager(KVCacheManager):
         # prefix matches while the pool stays as it is: a scheduler asks can_fetch for a growing
         # batch, which plans every first fetch in it again; cleared whenever the pool changes
         self._matches: dict[tuple[int, ...], PrefixMatch] = {}
+        self.copy_listeners: list[Callable[[int, int, int], None]] = []
+        """Called with ``(src_page, dst_page, rows)`` after each copy-on-write, so that blocks this
+        manager does not own (another process's shard of the heads) can repeat it."""
 
     # -- pool figures --
     @property
@@ -264,9 +275,10 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _copy_rows(self, src: Page, dst: Page, n: int) -> None:
         """Copy-on-write: the first ``n`` token rows of every layer's K and V from ``src`` to ``dst``."""
-        # blocks: [num_pages, 2, L, page_size, H, D] on every device
         for blocks in self.device_blocks:
-            blocks[dst.page_id, :, :, :n].copy_(blocks[src.page_id, :, :, :n])
+            copy_page_rows(blocks, src.page_id, dst.page_id, n)
+        for listener in self.copy_listeners:
+            listener(src.page_id, dst.page_id, n)
 
     # -- sizing --
     @staticmethod
