@@ -1,4 +1,4 @@
-"""The ``kvgraph`` command line: ``generate``, ``bench`` and ``dump`` subcommands.
+"""The ``kvgraph`` command line: ``generate``, ``bench``, ``dump`` and ``serve`` subcommands.
 
 Every caller mistake (unknown preset, missing checkpoint, bad sizes, a prompt that
 cannot fit) ends as one ``kvgraph <command>: error: ...`` line on stderr and a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kvgraph.cli import bench, dump, generate
+from kvgraph.cli import bench, dump, generate, serve
 from kvgraph.cli.common import ArgumentParser
 from kvgraph.errors import BindingError, KVCacheError, LoweringError
 
@@ -24,7 +24,7 @@ def build_parser() -> ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=ArgumentParser)
-    for module in (generate, bench, dump):
+    for module in (generate, bench, dump, serve):
         module.add_parser(subparsers)
     return parser
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +42,17 @@ from kvgraph.step import prepare_step
 COMPILE_MODES = ("inductor", "eager")
 
 
+def _locked(method):
+    """Run ``method`` holding the engine lock (``LLM._lock``)."""
+
+    @functools.wraps(method)
+    def wrapper(self: LLM, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class LLM:
     """Generate text with continuous batching over a paged (or continuous) KV cache.
 
@@ -59,6 +73,12 @@ class LLM:
     ``kvgraph.distributed``): this process is rank 0 and spawns the others, unless a process
     group or ``torchrun`` already set the ranks up; on a rank other than 0 the constructor runs
     rank 0's steps until rank 0 calls ``close``. ``kv_cache_memory`` is then over all ranks.
+
+    Thread-safe: ``generate``, ``stream``, ``add_request``, ``abort``, ``step`` and the rest may be
+    called from any number of threads. One lock guards the engine's state and is held for a whole
+    step, so one step runs at a time. A ``generate`` or ``stream`` caller with nothing to hand back
+    runs the next step itself, for the requests of every caller: all callers' requests share the
+    same batches, and each step's tokens go to the call that is waiting for them.
     """
 
     def __init__(
@@ -130,6 +150,8 @@ class LLM:
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
         self._next_id = 0
+        self._lock = threading.RLock()
+        self._inboxes: dict[int, _Inbox] = {}  # request id -> its generate/stream call's inbox
         if self.tp is not None and not self.tp.is_driver:
             self.runner.serve()
             self.close()
@@ -149,6 +171,7 @@ class LLM:
         return params if params is not None else traced_kv_params(self.model, **kwargs)
 
     # -- requests --
+    @_locked
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> int:
         """Queue one prompt; returns its request id. Raises before queueing anything if the prompt
         is empty, out of the vocabulary, longer than ``max_seq_len``, or can never fit the cache."""
@@ -172,6 +195,7 @@ class LLM:
         self.scheduler.add(request)
         return request.request_id
 
+    @_locked
     def abort(self, request_id: int) -> None:
         """Stop a request now; its pages are freed at once (a finished request is left as is)."""
         request = self._requests.get(request_id)
@@ -181,9 +205,20 @@ class LLM:
             self.scheduler.finish(request, FinishReason.ABORT)
             self._stats.aborted += 1
 
+    @_locked
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @_locked
+    def pop(self, request_id: int) -> Completion:
+        """The request's completion, forgetting the request; one still unfinished is aborted first
+        (its pages are freed at once). A request queued with ``add_request`` is kept until popped."""
+        self.abort(request_id)
+        completion = self.completion(request_id)
+        del self._requests[request_id]
+        return completion
+
+    @_locked
     def completion(self, request_id: int) -> Completion:
         """The request's output so far (its final result once finished)."""
         r = self._requests.get(request_id)
@@ -212,13 +247,13 @@ class LLM:
         ``sampling`` is one ``SamplingParams`` for all prompts or one per prompt. ``on_step``
         is called after every step with the tokens it generated (a progress bar).
         """
-        ids = self._add_all(prompts, sampling)
+        ids, inbox = self._add_all(prompts, sampling, text=on_step is not None)
         with self._aborting_on_exit(ids):
-            while any(not self._requests[i].finished for i in ids):
-                events = self.step(detokenize=on_step is not None)
+            for events in self._progress(ids, inbox):
                 if on_step is not None:
                     on_step(events)
-        return [self._pop(i) for i in ids]
+        with self._lock:
+            return [self.pop(i) for i in ids]
 
     def stream(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
@@ -228,24 +263,44 @@ class LLM:
         Leaving the loop early (``break``, an exception) aborts what is left and frees its pages
         as soon as the generator is closed (at once in CPython, when the loop drops it).
         """
-        ids = self._add_all(prompts, sampling)
+        ids, inbox = self._add_all(prompts, sampling, text=True)
         index = {rid: i for i, rid in enumerate(ids)}
         with self._aborting_on_exit(ids):
-            while any(not self._requests[i].finished for i in ids):
-                for event in self.step():
-                    if event.request_id in index:
-                        yield TokenEvent(
-                            event.request_id, index[event.request_id], event.token_id, event.text,
-                            event.finish_reason,
-                        )
-        for i in ids:
-            self._requests.pop(i, None)
+            for events in self._progress(ids, inbox):
+                for event in events:
+                    yield TokenEvent(
+                        event.request_id, index[event.request_id], event.token_id, event.text,
+                        event.finish_reason,
+                    )
+        with self._lock:
+            for i in ids:
+                self._requests.pop(i, None)
 
+    def _progress(self, ids: list[int], inbox: _Inbox) -> Iterator[list[TokenEvent]]:
+        """The events of requests ``ids`` as they come (each batch non-empty), until all are finished.
+
+        When none is waiting in ``inbox``, this caller runs the next step itself (for every
+        caller's requests, under the lock); whatever the step generates for other calls goes to
+        their inboxes. The events are handed out with the lock released.
+        """
+        while True:
+            with self._lock:
+                if not inbox.events and all(self._finished(i) for i in ids):
+                    return
+                if not inbox.events:
+                    self.step(detokenize=False)
+                events = list(inbox.events)
+                inbox.events.clear()
+            if events:
+                yield events
+
+    @_locked
     def step(self, *, detokenize: bool = True) -> list[TokenEvent]:
         """Schedule and run one batch (``num_steps`` decode steps for a batch of decodes).
 
         Returns one event per generated token, with the text it adds when ``detokenize`` and
-        the engine has a tokenizer (``None`` otherwise). On any exception (including
+        the engine has a tokenizer (``None`` otherwise); the events of requests a ``generate`` or
+        ``stream`` call waits on also go to that call. On any exception (including
         ``KeyboardInterrupt``) the requests of the batch are aborted and their pages freed.
         """
         start = time.perf_counter()
@@ -330,13 +385,18 @@ class LLM:
         return events
 
     def _event(self, request: EngineRequest, token: int, detokenize: bool) -> TokenEvent:
+        """The token's event, also put in the inbox of the call waiting for the request, if any."""
+        inbox = self._inboxes.get(request.request_id)
         text = None
-        if detokenize and self.tokenizer is not None:
+        if (detokenize or (inbox is not None and inbox.text)) and self.tokenizer is not None:
             if request.detokenizer is None:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             text = request.detokenizer.delta(request.output_ids, final=request.finished)
         reason = request.finish_reason.value if request.finished else None
-        return TokenEvent(request.request_id, request.request_id, token, text, reason)
+        event = TokenEvent(request.request_id, request.request_id, token, text, reason)
+        if inbox is not None:
+            inbox.events.append(event)
+        return event
 
     def _record_pages(self) -> None:
         self._stats.record_pages(*cache_usage(self.manager))
@@ -366,44 +426,65 @@ class LLM:
         return time.perf_counter() - start
 
     # -- stats --
+    @_locked
     def stats(self) -> dict:
         """Throughput (prefill and decode tokens/s, steps that compiled left out: their time is
         ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
         continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
-        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step."""
+        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; and the
+        requests running and waiting now."""
         self._record_pages()
         self._stats.compiled_graphs = compiled_graphs(self.compiled)
         self._stats.warmup_graphs = self.runner.warmup_graphs
         self._stats.recompiles = self.runner.recompiles
-        return self._stats.as_dict()
+        return {
+            **self._stats.as_dict(),
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+        }
 
+    @_locked
     def reset_stats(self) -> None:
         self._stats = EngineStats()
         self._record_pages()
 
     # -- helpers --
-    def _add_all(self, prompts, sampling) -> list[int]:
-        """Validate every prompt, then queue them all (nothing is queued if one is bad)."""
+    @_locked
+    def _add_all(self, prompts, sampling, text: bool) -> tuple[list[int], _Inbox]:
+        """Validate every prompt, then queue them all (nothing is queued if one is bad), with one
+        inbox for their events (``text``: the events carry the text they add)."""
         prompts = as_prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if len(sampling) != len(prompts):
             raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         checked = [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
-        return [self._queue(ids, s) for ids, s in checked]
+        ids = [self._queue(ids, s) for ids, s in checked]
+        inbox = _Inbox(text=text)
+        self._inboxes.update(dict.fromkeys(ids, inbox))
+        return ids, inbox
+
+    def _finished(self, request_id: int) -> bool:
+        """Whether the request is finished (or already popped)."""
+        request = self._requests.get(request_id)
+        return request is None or request.finished
 
     def _aborting_on_exit(self, ids: list[int]):
         return _AbortOnExit(self, ids)
-
-    def _pop(self, request_id: int) -> Completion:
-        completion = self.completion(request_id)
-        del self._requests[request_id]
-        return completion
 
     def _decode(self, ids: list[int]) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class _Inbox:
+    """Events generated for the requests of one ``generate``/``stream`` call, not yet handed out."""
+
+    text: bool
+    """Whether the events carry the text they add."""
+    events: deque[TokenEvent] = field(default_factory=deque)
 
 
 @dataclass
@@ -428,10 +509,12 @@ class _AbortOnExit:
         return None
 
     def __exit__(self, *exc) -> None:
-        for i in self.ids:
-            request = self.llm._requests.get(i)
-            if request is not None and not request.finished:
-                self.llm.abort(i)
-            if exc[0] is not None:
-                self.llm._requests.pop(i, None)
+        with self.llm._lock:
+            for i in self.ids:
+                self.llm._inboxes.pop(i, None)
+                request = self.llm._requests.get(i)
+                if request is not None and not request.finished:
+                    self.llm.abort(i)
+                if exc[0] is not None:
+                    self.llm._requests.pop(i, None)
 

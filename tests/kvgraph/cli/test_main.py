@@ -5,7 +5,7 @@ import pytest
 from kvgraph.cli import main
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["dump"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["dump"], ["serve"]])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--help"])
@@ -31,6 +31,8 @@ def test_every_subcommand_has_help(command, capsys):
         (["bench", "--requests", "0"], 2, "error: argument --requests: must be a positive int, got 0"),
         (["bench", "--workload", "chat"], 2, "error: argument --workload: invalid choice: 'chat'"),
         (["bench", "--baselines", "vllm"], 1, "kvgraph bench: error: unknown baseline 'vllm'"),
+        (["serve", "--port", "70000"], 2, "error: argument --port: must be in [0, 65535], got 70000"),
+        (["serve", "--model", "llama-huge"], 1, "kvgraph serve: error: unknown model 'llama-huge'"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys):

@@ -1,0 +1,143 @@
+"""What the HTTP layer costs: ``kvgraph serve`` under concurrent streaming clients vs the
+in-process engine on the same workload.
+
+    python benchmarks/serving.py --model llama-tiny --workload decode-heavy --requests 64 --concurrency 32
+
+First the workload runs through ``kvgraph.LLM`` in this process (compiled and warmed up, one
+``generate`` call with all prompts: the engine's own throughput), ``--repeats`` times. Then the same engine settings
+run as ``kvgraph serve`` in a subprocess, and ``--concurrency`` asyncio clients (``httpx2``, the
+``openai`` package's HTTP client) send the prompts as streamed ``/v1/completions`` requests,
+timing each chunk, ``--repeats`` times. The fastest run of each side counts. Greedy texts must equal the engine's before any figure is printed. Reports
+requests/s, tokens/s, time to first token and inter-token latency percentiles, and
+``http_vs_engine`` (server tokens/s ÷ engine tokens/s; the issue's target: > 0.9 at 32 streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import httpx2
+
+from kvgraph.engine import LLM, SamplingParams
+from kvgraph.presets import load_preset
+from kvgraph.serve.launch import ServerProcess
+from kvgraph.workloads import make_workload, workload_names
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def percentiles(values: list[float]) -> dict:
+    if len(values) < 2:
+        return {"p50": values[0] if values else None, "p90": None, "p99": None}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def engine_run(args, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    model, tokenizer = load_preset(args.model)
+    llm = LLM(model, tokenizer=tokenizer, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+              compile=args.compile)
+    llm.warmup()
+    elapsed = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        elapsed.append(time.perf_counter() - start)
+    tokens = sum(len(c.token_ids) for c in outs)
+    return {"texts": [c.text for c in outs], "elapsed_s": min(elapsed), "tokens": tokens}
+
+
+async def one_request(client: httpx2.AsyncClient, url: str, model: str, prompt: list[int], max_new_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times, text, usage = [], [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk["choices"]:
+                times.append(time.perf_counter())
+                text.append(chunk["choices"][0]["text"])
+            usage = chunk.get("usage") or usage
+    return {"start": start, "times": times, "text": "".join(text), "tokens": usage["completion_tokens"]}
+
+
+async def load(url: str, model: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def gated(prompt: list[int]) -> dict:
+            async with gate:
+                return await one_request(client, url, model, prompt, max_new_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(gated(p) for p in prompts))
+        return results, time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--workload", choices=workload_names(), default="decode-heavy")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, help="override the workload's output length")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--compile", choices=("inductor", "eager"), default="inductor")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each side; the fastest counts")
+    args = p.parse_args()
+
+    model, _ = load_preset(args.model)
+    workload = make_workload(args.workload, num_requests=args.requests, vocab_size=model.config.vocab_size,
+                             max_new_tokens=args.max_new_tokens)
+    prompts, new = workload.prompts, workload.max_new_tokens
+    log(f"engine in process: {len(prompts)} requests x {new} new tokens")
+    engine = engine_run(args, prompts, new)
+
+    flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
+             "--max-seq-len", str(args.max_seq_len)]
+    server = ServerProcess(*flags)
+    try:
+        url = server.wait_ready()
+        log(f"server at {url}: {args.concurrency} concurrent streams")
+        runs = [asyncio.run(load(url, args.model, prompts, new, args.concurrency)) for _ in range(args.repeats)]
+        results, elapsed = min(runs, key=lambda run: run[1])
+        exit_status = server.stop()
+    finally:
+        server.kill()
+
+    mismatched = sum(r["text"] != t for r, t in zip(results, engine["texts"], strict=True))
+    if mismatched:
+        raise SystemExit(f"{mismatched} of {len(results)} greedy texts differ from the engine's")
+    tokens = sum(r["tokens"] for r in results)
+    server_tps, engine_tps = tokens / elapsed, engine["tokens"] / engine["elapsed_s"]
+    report = {
+        "model": args.model, "workload": args.workload, "requests": len(prompts), "max_new_tokens": new,
+        "concurrency": args.concurrency, "compile": args.compile, "repeats": args.repeats, "greedy_texts_equal": len(results),
+        "engine": {"elapsed_s": engine["elapsed_s"], "tokens_per_s": engine_tps},
+        "server": {
+            "elapsed_s": elapsed, "tokens_per_s": server_tps, "requests_per_s": len(results) / elapsed,
+            "ttft_s": percentiles([r["times"][0] - r["start"] for r in results if r["times"]]),
+            "itl_s": percentiles([b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]),
+            "exit_status_after_sigterm": exit_status,
+        },
+        "http_vs_engine": server_tps / engine_tps,
+        "target_http_vs_engine_min": 0.9,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
