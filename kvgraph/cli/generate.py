@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     llm = build_llm(args)
+    llm.check_prompts(prompts, sampling)  # before compiling: bad input fails at once
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,

@@ -119,6 +119,13 @@ class LLM:
         is empty, out of the vocabulary, longer than ``max_seq_len``, or can never fit the cache."""
         return self._queue(*self._validate(prompt, sampling))
 
+    def check_prompts(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> None:
+        """Raise what ``generate(prompts, sampling)`` would raise for its inputs, queueing nothing and
+        compiling nothing: call it before :meth:`warmup` to refuse bad input at once."""
+        self._validate_all(prompts, sampling)
+
     def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
@@ -322,8 +329,9 @@ class LLM:
         the stats. Returns the seconds it took."""
         start = time.perf_counter()
         quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
-        self.generate([[0, 0, 0], [0, 0]], quick)
-        self.generate([[0, 0, 0]], quick)
+        n = min(3, self.max_seq_len)
+        self.generate([[0] * n, [0] * max(1, n - 1)], quick)
+        self.generate([[0] * n], quick)
         self.reset_stats()
         return time.perf_counter() - start
 
@@ -343,13 +351,15 @@ class LLM:
     # -- helpers --
     def _add_all(self, prompts, sampling) -> list[int]:
         """Validate every prompt, then queue them all (nothing is queued if one is bad)."""
+        return [self._queue(ids, s) for ids, s in self._validate_all(prompts, sampling)]
+
+    def _validate_all(self, prompts, sampling) -> list[tuple[list[int], SamplingParams]]:
         prompts = as_prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if len(sampling) != len(prompts):
             raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        checked = [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
-        return [self._queue(ids, s) for ids, s in checked]
+        return [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
 
     def _aborting_on_exit(self, ids: list[int]):
         return _AbortOnExit(self, ids)
