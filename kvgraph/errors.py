@@ -57,3 +57,7 @@ class BindingError(RuntimeError):
 
 class LoweringError(RuntimeError):
     """A graph pass met an attention site (or graph) it cannot lower correctly."""
+
+
+KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError)
+"""Every error kvgraph raises on purpose: a caller's mistake or a model it cannot serve."""

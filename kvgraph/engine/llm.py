@@ -30,7 +30,7 @@ from kvgraph.engine.runner import ModelRunner
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
-from kvgraph.errors import InvalidParamsError, OutOfPagesError
+from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
 from kvgraph.managers.base import check_positive_int
 from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.step import prepare_step
@@ -169,6 +169,7 @@ class LLM:
             cached_tokens=r.cached_tokens,
             arrival_time=r.arrival_time,
             token_times=list(r.token_times),
+            error=r.error,
         )
 
     # -- generation --
@@ -208,7 +209,7 @@ class LLM:
                     if event.request_id in index:
                         yield TokenEvent(
                             event.request_id, index[event.request_id], event.token_id, event.text,
-                            event.finish_reason,
+                            event.finish_reason, event.error,
                         )
         for i in ids:
             self._requests.pop(i, None)
@@ -217,8 +218,11 @@ class LLM:
         """Schedule and run one batch (``num_steps`` decode steps for a batch of decodes).
 
         Returns one event per generated token, with the text it adds when ``detokenize`` and
-        the engine has a tokenizer (``None`` otherwise). On any exception (including
-        ``KeyboardInterrupt``) the requests of the batch are aborted and their pages freed.
+        the engine has a tokenizer (``None`` otherwise). When the model raises, the batch's
+        requests finish with ``"error"`` (one event each, ``token_id=None``, the message in
+        ``error``), their pages are freed and the engine goes on with the others. A kvgraph error
+        (``KVCacheError``, ``BindingError``, ``LoweringError``) or an interrupt aborts the batch's
+        requests, frees their pages, and is raised.
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
@@ -228,7 +232,9 @@ class LLM:
             return []
         try:
             run = self._run(out)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, KVGRAPH_ERRORS):
+                return self._fail(out, exc)  # the model raised: only this step's requests fail
             self._stats.aborted += len(out.entries)
             self.scheduler.abort_all([e.request for e in out.entries])
             raise
@@ -277,6 +283,21 @@ class LLM:
                 entry.kv.tokens = [*entry.kv.tokens, token]
         self.manager.step(kv_requests)
         return run
+
+    def _fail(self, out: SchedulerOutput, exc: Exception) -> list[TokenEvent]:
+        """The model raised: finish the step's requests with ``"error"`` (their pages freed at once)
+        and keep serving the others. Returns one event per failed request."""
+        message = f"{type(exc).__name__}: {exc}"
+        events = []
+        for entry in out.entries:
+            request = entry.request
+            request.error = message
+            self.scheduler.finish(request, FinishReason.ERROR)
+            self._stats.failed += 1
+            events.append(TokenEvent(request.request_id, request.request_id, None, None, FinishReason.ERROR.value,
+                                     message))
+        self._record_pages()
+        return events
 
     def _commit(self, out: SchedulerOutput, run: _StepRun, detokenize: bool) -> list[TokenEvent]:
         """Advance each request by what ran, append its sampled tokens, finish the ones that stop."""
