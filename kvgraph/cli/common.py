@@ -64,6 +64,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model (default: as loaded)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a checkpoint directory run its own model code (off: such checkpoints are refused)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -130,4 +132,5 @@ def build_llm(args: argparse.Namespace):
         freeze_weights=not args.no_freeze_weights,
         device=args.device,
         dtype=DTYPES.get(args.dtype),
+        trust_remote_code=args.trust_remote_code,
     )

@@ -55,7 +55,7 @@ def capture(args: argparse.Namespace) -> Captured:
     from kvgraph.step import run_step
 
     source, _ = load_model_arg(args)
-    model, _ = load_model(source)
+    model, _ = load_model(source, trust_remote_code=args.trust_remote_code)
     model = model.eval()
     if args.dtype:
         model = model.to(DTYPES[args.dtype])

@@ -11,6 +11,9 @@ import torch
 
 from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import (
+    check_dtype,
+    check_flags,
+    check_tokenizer,
     eos_token_ids,
     kv_params_from_config,
     load_model,
@@ -19,7 +22,14 @@ from kvgraph.engine.loading import (
     traced_kv_params,
     vocab_size,
 )
-from kvgraph.engine.prompts import Prompt, as_prompt_list, capacity_text, check_fits, encode_prompt
+from kvgraph.engine.prompts import (
+    Prompt,
+    as_prompt_list,
+    capacity_text,
+    check_fits,
+    check_sampling,
+    encode_prompt,
+)
 from kvgraph.engine.requests import (
     Completion,
     EngineRequest,
@@ -52,6 +62,9 @@ class LLM:
     ``num_steps > 1`` runs batches of decodes that many steps back to back.
     ``freeze_weights`` (Inductor only) compiles the weights in as constants with prepacked
     linear layers: faster, but later edits of the module's parameters are not seen.
+    A checkpoint directory never runs code unless ``trust_remote_code=True`` (its own modelling
+    files); its weights load from safetensors, or from ``.bin`` pickles with ``weights_only=True``.
+    Every argument is checked before the model is loaded or compiled.
     """
 
     def __init__(
@@ -71,6 +84,7 @@ class LLM:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         for name, value in (
             ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
@@ -81,9 +95,13 @@ class LLM:
             check_positive_int("kv_cache_memory", kv_cache_memory)
         if compile not in COMPILE_MODES:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        check_flags(enable_prefix_caching=enable_prefix_caching, freeze_weights=freeze_weights,
+                    trust_remote_code=trust_remote_code)
+        check_dtype(dtype)
+        check_tokenizer(tokenizer)
         strategy = KVCacheStrategy.parse(cache_strategy)
-        module, self.tokenizer = load_model(model, tokenizer)
         self.device = resolve_device(device)
+        module, self.tokenizer = load_model(model, tokenizer, trust_remote_code=trust_remote_code)
         self.model = module.to(device=self.device, dtype=dtype).eval()
         self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
         self.manager = make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
@@ -127,9 +145,7 @@ class LLM:
         self._validate_all(prompts, sampling)
 
     def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        sampling = sampling if sampling is not None else SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling = check_sampling(sampling, self.vocab_size)
         ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
         check_fits(self.manager, ids, sampling, self.max_seq_len)
         return ids, sampling
@@ -378,6 +394,10 @@ class LLM:
         prompts = as_prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        elif not isinstance(sampling, (list, tuple)):
+            raise InvalidParamsError(
+                f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
+            )
         if len(sampling) != len(prompts):
             raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         return [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]

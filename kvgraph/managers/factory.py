@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgraph.managers.base import KVCacheManager
+from kvgraph.managers.base import KVCacheManager, check_positive_int
 from kvgraph.managers.continuous import ContinuousBatchingKVCacheManager
 from kvgraph.managers.paged import PagedKVCacheManager
 from kvgraph.params import KVCacheParams, KVCacheStrategy
@@ -19,6 +19,8 @@ def load_kv_manager(
     pool holds ``max_batch_size`` sequences of ``max_seq_len`` tokens. The continuous manager
     takes none.
     """
+    check_positive_int("max_batch_size", max_batch_size)
+    check_positive_int("max_seq_len", max_seq_len)
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
         return ContinuousBatchingKVCacheManager(params, max_batch_size, max_seq_len, **kwargs)
     if not kwargs:
