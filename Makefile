@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Pin torch before anything else so that pip never resolves a bare `torch` into the CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench clean fuzz soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check kvgraph passes kernels tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# Lowering fuzz over the whole module space (CI runs 300 examples of a pairwise-covering subset).
+fuzz: $(STAMP)
+	KVGRAPH_FUZZ_PROFILE=lowering-fuzz $(BIN)/python -m pytest -q --timeout=0 tests/passes/test_fuzz_lowering.py
+
+# 1000 requests through the engine with random aborts and preemption (CI runs 100).
+soak: $(STAMP)
+	KVGRAPH_SOAK_REQUESTS=1000 $(BIN)/python -m pytest -q --timeout=0 tests/kvgraph/engine/test_soak.py
 
 demo: $(STAMP)
 	$(BIN)/kvgraph generate --model llama-tiny --prompt "Hello from kvgraph" \

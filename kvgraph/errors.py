@@ -66,3 +66,7 @@ class LoweringError(RuntimeError):
 class RankFailedError(RuntimeError):
     """A rank of a tensor-parallel group died, hung past its timeout or could not start; the
     message names it. The group is shut down: the ``LLM`` that owned it takes no more steps."""
+
+
+KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError)
+"""Every error kvgraph raises on purpose: a caller's mistake or a model it cannot serve."""

@@ -38,6 +38,14 @@ class KVCacheStrategy(str, enum.Enum):
         return KVCacheStrategy.PAGED if self is KVCacheStrategy.MODEL_DEFAULT else self
 
 
+def parse_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device``; ``InvalidParamsError`` naming it if it is not one."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidParamsError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+
+
 @dataclass(frozen=True)
 class KVCacheParams:
     """Static description of a KV cache.
@@ -60,7 +68,7 @@ class KVCacheParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy).resolved)
-        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "device", parse_device(self.device))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise InvalidParamsError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
         for name in ("n_kv_heads", "head_dim", "num_layers", "n_devices"):

@@ -28,6 +28,7 @@ from torch.fx.node import map_aggregate
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
+from kvgraph.passes.patterns import static_size
 
 Node = torch.fx.Node
 
@@ -68,7 +69,7 @@ class MaskProver:
     ) -> None:
         self.gm = gm
         self.view = view
-        self.token_count = token_count
+        self.token_count = static_size(token_count)
         self.example_inputs = example_inputs
         self._placeholder_index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
         self._proven: dict[tuple[MaskEffect, ...], str] = {}
@@ -190,11 +191,13 @@ class MaskProver:
 
     # -- values of leaves --
     def _is_token_count(self, size: object) -> bool:
+        size = static_size(size)
         if isinstance(self.token_count, int):
             return isinstance(size, int) and size == self.token_count
         return isinstance(size, torch.SymInt) and size.node.expr == self.token_count.node.expr
 
     def _concrete(self, site: Node, size: object, T: int) -> int:
+        size = static_size(size)
         if isinstance(size, int):
             return size
         if isinstance(size, torch.SymInt) and not isinstance(self.token_count, int):

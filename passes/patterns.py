@@ -67,14 +67,24 @@ def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def static_size(size: Any) -> Any:
+    """``size`` as an int when it is one: a SymInt that its ShapeEnv has specialised to a constant
+    (a guard such as ``s0 == 5``, met when one input of the graph is dynamic and another static)
+    is that constant. Other values are returned as they are."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
+        return int(size.node.expr)
+    return size
+
+
 def shape(node: Any) -> tuple | None:
-    """The (possibly symbolic) shape of a tensor-valued node, or None."""
+    """The shape of a tensor-valued node (sizes specialised to constants as ints), or None."""
     val = meta_value(node) if isinstance(node, Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return tuple(static_size(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def same_size(a: Any, b: Any) -> bool:
     """Two sizes (ints or SymInts) are the same expression, decided without adding guards."""
+    a, b = static_size(a), static_size(b)
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
         return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
     return a == b

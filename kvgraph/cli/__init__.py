@@ -12,9 +12,7 @@ from collections.abc import Sequence
 
 from kvgraph.cli import bench, dump, generate, serve
 from kvgraph.cli.common import ArgumentParser
-from kvgraph.errors import BindingError, KVCacheError, LoweringError
-
-USER_ERRORS = (KVCacheError, BindingError, LoweringError)
+from kvgraph.errors import KVGRAPH_ERRORS
 
 
 def build_parser() -> ArgumentParser:
@@ -35,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except USER_ERRORS as e:
+    except KVGRAPH_ERRORS as e:
         sys.stderr.write(f"kvgraph {args.command}: error: {e}\n")
         return 1
     except KeyboardInterrupt:

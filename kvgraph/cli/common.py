@@ -61,6 +61,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the model (default: as loaded)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a checkpoint directory run its own model code (off: such checkpoints are refused)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +100,7 @@ def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module, object | 
     or a checkpoint directory (module, and its tokenizer when it has one)."""
     from kvgraph.engine.loading import load_model
 
-    return load_model(args.model, seed=args.seed)
+    return load_model(args.model, seed=args.seed, trust_remote_code=args.trust_remote_code)
 
 
 def build_llm(args: argparse.Namespace, *, progress: bool = True):
@@ -125,6 +127,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         dtype=DTYPES.get(args.dtype),
         progress=progress,
         tensor_parallel_size=args.tensor_parallel_size,
+        trust_remote_code=args.trust_remote_code,
     )
     return llm if llm.tp is None or llm.tp.is_driver else None
 
@@ -134,7 +137,5 @@ def unsharded_model(args: argparse.Namespace, llm) -> torch.nn.Module:
     parallelism split ``llm.model`` (its layers then take part in collectives)."""
     if llm.tp is None:
         return llm.model
-    from kvgraph.engine.loading import load_model
-
-    module, _ = load_model(load_model_arg(args)[0])
+    module, _ = load_model_arg(args)
     return module.to(device=llm.device, dtype=DTYPES.get(args.dtype)).eval()

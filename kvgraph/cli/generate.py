@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     llm = build_llm(args, progress=not args.no_progress)
     if llm is None:
         return 0
+    llm.check_prompts(prompts, sampling)  # before compiling: bad input fails at once
     warmup = llm.warmup()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,

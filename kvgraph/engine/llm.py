@@ -14,6 +14,9 @@ import torch
 
 from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import (
+    check_dtype,
+    check_flags,
+    check_tokenizer,
     eos_token_ids,
     kv_params_from_config,
     load_model,
@@ -23,7 +26,14 @@ from kvgraph.engine.loading import (
     vocab_size,
 )
 from kvgraph.engine.progress import CompileProgress
-from kvgraph.engine.prompts import Prompt, as_prompt_list, capacity_text, check_fits, encode_prompt
+from kvgraph.engine.prompts import (
+    Prompt,
+    as_prompt_list,
+    capacity_text,
+    check_fits,
+    check_sampling,
+    encode_prompt,
+)
 from kvgraph.engine.requests import (
     Completion,
     EngineRequest,
@@ -34,7 +44,7 @@ from kvgraph.engine.runner import ModelRunner, compiled_graphs
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
-from kvgraph.errors import InvalidParamsError, OutOfPagesError
+from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
 from kvgraph.managers.base import check_positive_int
 from kvgraph.params import KVCacheParams, KVCacheStrategy
 from kvgraph.step import prepare_step
@@ -79,6 +89,10 @@ class LLM:
     step, so one step runs at a time. A ``generate`` or ``stream`` caller with nothing to hand back
     runs the next step itself, for the requests of every caller: all callers' requests share the
     same batches, and each step's tokens go to the call that is waiting for them.
+
+    A checkpoint directory never runs code unless ``trust_remote_code=True`` (its own modelling
+    files); its weights load from safetensors, or from ``.bin`` pickles with ``weights_only=True``.
+    Every argument is checked before the model is loaded or compiled.
     """
 
     def __init__(
@@ -100,6 +114,7 @@ class LLM:
         tokenizer: object | None = None,
         progress: bool = True,
         tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
     ) -> None:
         engine_args = {k: v for k, v in locals().items() if k not in ("self", "model", "tokenizer", "tensor_parallel_size")}
         for name, value in (
@@ -112,9 +127,13 @@ class LLM:
             check_positive_int("kv_cache_memory", kv_cache_memory)
         if compile not in COMPILE_MODES:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        check_flags(enable_prefix_caching=enable_prefix_caching, freeze_weights=freeze_weights,
+                    trust_remote_code=trust_remote_code)
+        check_dtype(dtype)
+        check_tokenizer(tokenizer)
         strategy = KVCacheStrategy.parse(cache_strategy)
-        module, self.tokenizer = load_model(model, tokenizer)
         self.device = resolve_device(device)
+        module, self.tokenizer = load_model(model, tokenizer, trust_remote_code=trust_remote_code)
         self.tp = None
         if tensor_parallel_size > 1:
             from kvgraph.distributed.group import local_device
@@ -177,10 +196,15 @@ class LLM:
         is empty, out of the vocabulary, longer than ``max_seq_len``, or can never fit the cache."""
         return self._queue(*self._validate(prompt, sampling))
 
+    def check_prompts(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> None:
+        """Raise what ``generate(prompts, sampling)`` would raise for its inputs, queueing nothing and
+        compiling nothing: call it before :meth:`warmup` to refuse bad input at once."""
+        self._validate_all(prompts, sampling)
+
     def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        sampling = sampling if sampling is not None else SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling = check_sampling(sampling, self.vocab_size)
         ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
         check_fits(self.manager, ids, sampling, self.max_seq_len)
         return ids, sampling
@@ -232,6 +256,7 @@ class LLM:
             cached_tokens=r.cached_tokens,
             arrival_time=r.arrival_time,
             token_times=list(r.token_times),
+            error=r.error,
         )
 
     # -- generation --
@@ -270,7 +295,7 @@ class LLM:
                 for event in events:
                     yield TokenEvent(
                         event.request_id, index[event.request_id], event.token_id, event.text,
-                        event.finish_reason,
+                        event.finish_reason, event.error,
                     )
         with self._lock:
             for i in ids:
@@ -300,8 +325,11 @@ class LLM:
 
         Returns one event per generated token, with the text it adds when ``detokenize`` and
         the engine has a tokenizer (``None`` otherwise); the events of requests a ``generate`` or
-        ``stream`` call waits on also go to that call. On any exception (including
-        ``KeyboardInterrupt``) the requests of the batch are aborted and their pages freed.
+        ``stream`` call waits on also go to that call. When the model raises, the batch's
+        requests finish with ``"error"`` (one event each, ``token_id=None``, the message in
+        ``error``), their pages are freed and the engine goes on with the others. A kvgraph error
+        (``KVCacheError``, ``BindingError``, ``LoweringError``) or an interrupt aborts the batch's
+        requests, frees their pages, and is raised.
         """
         start = time.perf_counter()
         out = self.scheduler.schedule()
@@ -312,7 +340,9 @@ class LLM:
         compile_s = self.runner.compile_s
         try:
             run = self._run(out)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, KVGRAPH_ERRORS):
+                return self._fail(out, exc)  # the model raised: only this step's requests fail
             self._stats.aborted += len(out.entries)
             self.scheduler.abort_all([e.request for e in out.entries])
             raise
@@ -362,6 +392,24 @@ class LLM:
                 entry.kv.tokens = [*entry.kv.tokens, token]
         self.manager.step(kv_requests)
         return run
+
+    def _fail(self, out: SchedulerOutput, exc: Exception) -> list[TokenEvent]:
+        """The model raised: finish the step's requests with ``"error"`` (their pages freed at once)
+        and keep serving the others. Returns one event per failed request."""
+        message = f"{type(exc).__name__}: {exc}"
+        events = []
+        for entry in out.entries:
+            request = entry.request
+            request.error = message
+            self.scheduler.finish(request, FinishReason.ERROR)
+            self._stats.failed += 1
+            event = TokenEvent(request.request_id, request.request_id, None, None, FinishReason.ERROR.value, message)
+            inbox = self._inboxes.get(request.request_id)
+            if inbox is not None:
+                inbox.events.append(event)
+            events.append(event)
+        self._record_pages()
+        return events
 
     def _commit(self, out: SchedulerOutput, run: _StepRun, detokenize: bool) -> list[TokenEvent]:
         """Advance each request by what ran, append its sampled tokens, finish the ones that stop."""
@@ -420,8 +468,9 @@ class LLM:
         requests wait for the compile. Returns the seconds it took."""
         start = time.perf_counter()
         quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
-        self.generate([[0, 0, 0], [0, 0]], quick)
-        self.generate([[0, 0, 0]], quick)
+        n = min(3, self.max_seq_len)
+        self.generate([[0] * n, [0] * max(1, n - 1)], quick)
+        self.generate([[0] * n], quick)
         self.reset_stats()
         return time.perf_counter() - start
 
@@ -453,16 +502,22 @@ class LLM:
     def _add_all(self, prompts, sampling, text: bool) -> tuple[list[int], _Inbox]:
         """Validate every prompt, then queue them all (nothing is queued if one is bad), with one
         inbox for their events (``text``: the events carry the text they add)."""
-        prompts = as_prompt_list(prompts)
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        if len(sampling) != len(prompts):
-            raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        checked = [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
-        ids = [self._queue(ids, s) for ids, s in checked]
+        ids = [self._queue(ids, s) for ids, s in self._validate_all(prompts, sampling)]
         inbox = _Inbox(text=text)
         self._inboxes.update(dict.fromkeys(ids, inbox))
         return ids, inbox
+
+    def _validate_all(self, prompts, sampling) -> list[tuple[list[int], SamplingParams]]:
+        prompts = as_prompt_list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        elif not isinstance(sampling, (list, tuple)):
+            raise InvalidParamsError(
+                f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
+            )
+        if len(sampling) != len(prompts):
+            raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        return [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
 
     def _finished(self, request_id: int) -> bool:
         """Whether the request is finished (or already popped)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -9,13 +10,18 @@ import torch
 from kvgraph.errors import InvalidParamsError
 from kvgraph.managers import load_kv_manager
 from kvgraph.managers.base import KVCacheManager
-from kvgraph.params import KVCacheParams, KVCacheStrategy
+from kvgraph.params import KVCacheParams, KVCacheStrategy, parse_device
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
 def load_model(
-    model: torch.nn.Module | str | Path, tokenizer: object | None = None, *, seed: int = 0
+    model: torch.nn.Module | str | Path,
+    tokenizer: object | None = None,
+    *,
+    seed: int = 0,
+    trust_remote_code: bool = False,
 ) -> tuple[torch.nn.Module, object | None]:
     """The module and tokenizer ``LLM`` runs.
 
@@ -25,6 +31,12 @@ def load_model(
       random weights seeded by ``seed``, and its byte-level tokenizer unless ``tokenizer`` is given;
     - the path of a local Hugging Face checkpoint directory, loaded with ``local_files_only=True``
       together with its tokenizer when the directory has one and ``tokenizer`` is ``None``.
+
+    Loading never runs the checkpoint's code: a config that needs its own modelling files
+    (``auto_map``) is refused unless ``trust_remote_code``; weights come from safetensors
+    when present, else from ``.bin`` pickles read with ``weights_only=True`` (which refuses
+    any pickle that would call a function). A directory that cannot be loaded (corrupt or
+    truncated files, fields of the wrong type) raises ``InvalidParamsError`` naming it.
     """
     from kvgraph.presets import is_preset, load_preset, preset_names
 
@@ -40,19 +52,71 @@ def load_model(
     path = Path(model)
     if not path.is_dir():
         name = str(model)
-        if "/" in name or name.startswith("."):
-            raise InvalidParamsError(f"checkpoint directory {name!r} does not exist")
-        raise InvalidParamsError(
-            f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
-        )
-    if not (path / "config.json").is_file():
-        raise InvalidParamsError(f"checkpoint directory {str(path)!r} has no config.json")
+        if "/" not in name and not name.startswith("."):
+            raise InvalidParamsError(
+                f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
+            )
+    check_checkpoint(path, trust_remote_code)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    module = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    if tokenizer is None and any((path / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    safe = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    try:
+        module = AutoModelForCausalLM.from_pretrained(path, weights_only=True, **safe)
+        if tokenizer is None and any((path / name).is_file() for name in TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(path, **safe)
+    except Exception as exc:  # transformers, safetensors, json and pickle each raise their own kinds
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise InvalidParamsError(
+            f"checkpoint directory {str(path)!r} could not be loaded: {type(exc).__name__}: {first_line}"
+        ) from exc
     return module, tokenizer
+
+
+def check_checkpoint(path: Path, trust_remote_code: bool) -> None:
+    """``InvalidParamsError`` unless ``path`` is a checkpoint directory kvgraph may load: a
+    ``config.json`` that is a JSON object, weights (``*.safetensors`` or ``*.bin``), and no
+    ``auto_map`` (code shipped with the checkpoint) unless ``trust_remote_code``."""
+    if not path.is_dir():
+        raise InvalidParamsError(f"checkpoint directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidParamsError(f"checkpoint directory {str(path)!r} has no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidParamsError(f"{str(config_file)!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidParamsError(f"{str(config_file)!r} holds a {type(config).__name__}, not a JSON object")
+    if "auto_map" in config and not trust_remote_code:
+        raise InvalidParamsError(
+            f"checkpoint directory {str(path)!r} ships its own model code (config.json auto_map); kvgraph "
+            "does not run it unless trust_remote_code=True (--trust-remote-code)"
+        )
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise InvalidParamsError(
+            f"checkpoint directory {str(path)!r} has no weights ({' or '.join(WEIGHT_FILES)}): truncated?"
+        )
+
+
+def check_flags(**flags: object) -> None:
+    """``InvalidParamsError`` naming the first flag that is not a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidParamsError(f"{name} must be a bool, got {value!r}")
+
+
+def check_dtype(dtype: object) -> None:
+    """``InvalidParamsError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidParamsError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
+
+
+def check_tokenizer(tokenizer: object) -> None:
+    """``InvalidParamsError`` unless ``tokenizer`` is ``None`` or has ``encode`` and ``decode``."""
+    if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+        raise InvalidParamsError(
+            f"tokenizer must have encode() and decode() (a Hugging Face tokenizer), got {type(tokenizer).__name__}"
+        )
 
 
 def kv_params_from_config(
@@ -159,10 +223,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     """``device`` parsed (default: CUDA when available, else the CPU)."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidParamsError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
     return device

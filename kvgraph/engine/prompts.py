@@ -16,6 +16,10 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt (a string or a list of token ids) or a sequence of them, as a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidParamsError(
+            f"prompts must be a string, a list of token ids, or a list of those, got {type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
@@ -39,6 +43,18 @@ def encode_prompt(prompt: Prompt, tokenizer: object | None, vocab_size: int | No
     if len(ids) > max_seq_len:
         raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={max_seq_len}")
     return ids
+
+
+def check_sampling(sampling: SamplingParams | None, vocab_size: int | None) -> SamplingParams:
+    """``sampling`` (default ``SamplingParams()``); ``InvalidParamsError`` for another type or a stop
+    token outside ``[0, vocab_size)``."""
+    sampling = sampling if sampling is not None else SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    for t in sampling.stop_token_ids:
+        if vocab_size is not None and t >= vocab_size:
+            raise InvalidParamsError(f"stop token {t} is not an id in [0, {vocab_size})")
+    return sampling
 
 
 def check_fits(manager: KVCacheManager, ids: list[int], sampling: SamplingParams, max_seq_len: int) -> None:

@@ -17,7 +17,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     """``max_new_tokens`` generated, or the sequence reached ``max_seq_len``."""
     ABORT = "abort"
-    """Aborted by the caller, or torn down by an error while running."""
+    """Aborted by the caller, or torn down by an interrupt or a kvgraph error while running."""
+    ERROR = "error"
+    """The model raised during the request's step; the request's ``error`` says what."""
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +48,7 @@ class EngineRequest:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache on the first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    error: str | None = None  # the exception that failed the request's step (finish_reason ERROR)
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
@@ -93,11 +96,13 @@ class Completion:
     Attributes:
         token_ids: the generated tokens (prompt excluded).
         text: their decoded text (``None`` without a tokenizer).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
         prompt_tokens: the prompt's length in tokens.
         cached_tokens: prompt tokens served by the prefix cache instead of being computed.
         arrival_time: ``time.perf_counter()`` when the request was queued.
         token_times: ``time.perf_counter()`` when each generated token was ready.
+        error: with ``finish_reason == "error"``, the exception the model raised
+            (``"RuntimeError: ..."``); ``None`` otherwise.
     """
 
     token_ids: list[int]
@@ -107,6 +112,7 @@ class Completion:
     cached_tokens: int
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -126,13 +132,15 @@ class TokenEvent:
     Attributes:
         request_id: the id ``LLM.add_request`` returned.
         index: the prompt's position in the ``stream`` call.
-        token_id: the new token.
+        token_id: the new token; ``None`` on the one event of a request whose step failed.
         text: the text this token adds (``None`` without a tokenizer).
-        finish_reason: set on the request's last token.
+        finish_reason: set on the request's last token (``"error"`` when its step failed).
+        error: the exception of a failed step (``"RuntimeError: ..."``), else ``None``.
     """
 
     request_id: int
     index: int
-    token_id: int
+    token_id: int | None
     text: str | None
     finish_reason: str | None
+    error: str | None = None

@@ -38,6 +38,7 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
+    failed: int = 0  # requests whose step raised in the model (finish_reason "error")
     kv_pages_total: int = 0
     kv_pages_used: int = 0
     kv_pages_peak: int = 0
@@ -124,6 +125,7 @@ class EngineStats:
             "preemptions": self.preemptions,
             "finished": self.finished,
             "aborted": self.aborted,
+            "failed": self.failed,
             "compiled_graphs": self.compiled_graphs,
             "warmup_graphs": self.warmup_graphs,
             "recompiles": self.recompiles,

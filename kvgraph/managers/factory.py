@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvgraph.errors import InvalidParamsError
-from kvgraph.managers.base import KVCacheManager
+from kvgraph.managers.base import KVCacheManager, check_positive_int
 from kvgraph.managers.continuous import ContinuousBatchingKVCacheManager
 from kvgraph.managers.paged import PagedKVCacheManager
 from kvgraph.params import KVCacheParams, KVCacheStrategy
@@ -30,6 +30,8 @@ def load_kv_manager(
     pages; with neither, ``max_batch_size`` sequences of ``max_seq_len`` tokens. The continuous
     cache always takes ``max_batch_size`` slots, so it takes neither.
     """
+    check_positive_int("max_batch_size", max_batch_size)
+    check_positive_int("max_seq_len", max_seq_len)
     args = (params, max_batch_size, max_seq_len, num_layers, devices, session)
     if params.cache_strategy is KVCacheStrategy.CONTINUOUS:
         if num_pages is not None:

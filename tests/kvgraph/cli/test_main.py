@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvgraph.backend import KVGraphBackend
 from kvgraph.cli import main
 
 
@@ -46,10 +47,49 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_errors_after_loading_the_model_are_one_line_too(capsys, tmp_path):
+@pytest.fixture
+def compiles(monkeypatch):
+    """The graphs Dynamo hands to the kvgraph backend during the test (each one a compile)."""
+    seen = []
+    original = KVGraphBackend.__call__
+
+    def recording(self, gm, example_inputs):
+        seen.append(gm)
+        return original(self, gm, example_inputs)
+
+    monkeypatch.setattr(KVGraphBackend, "__call__", recording)
+    return seen
+
+
+def test_errors_after_loading_the_model_are_one_line_too(capsys, compiles):
     code = main(["generate", "--prompt-ids", "5," * 40 + "5", "--max-seq-len", "16", "--compile", "eager",
                  "--max-batch-size", "2", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1
     assert err.strip().endswith("prompt of 41 tokens is longer than max_seq_len=16")
     assert "Traceback" not in err
+    assert compiles == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "a prompt of many tokens", "--max-seq-len", "4"],
+         "prompt of 23 tokens is longer than max_seq_len=4"),
+        (["--prompt-ids", "1,2,400"], "prompt token 400 is not an id in [0, 259)"),
+        (["--prompt-ids", "1,2,3", "--max-new-tokens", "100", "--max-seq-len", "64", "--kv-cache-memory", "16384"],
+         "needs 4 pages; the pool has 2 pages of 16 tokens"),
+    ],
+)
+def test_generate_refuses_bad_prompts_before_compiling(argv, message, capsys, compiles):
+    code = main(["generate", *argv, "--compile", "eager", "--max-batch-size", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert compiles == []
+
+
+def test_warmup_fits_a_max_seq_len_shorter_than_its_prompts(capsys):
+    code = main(["generate", "--prompt-ids", "5", "--max-seq-len", "2", "--max-new-tokens", "1",
+                 "--compile", "eager", "--max-batch-size", "2", "--no-progress"])
+    assert code == 0, capsys.readouterr().err

@@ -23,7 +23,7 @@ def llm(llama):
 
 def _all_free(llm: LLM) -> bool:
     m = llm.manager
-    return m.free_pages == m.total_pages and m.slots_remaining == m.max_batch_size and not llm.has_unfinished()
+    return m.free_pages == m.total_pages and m.num_claimed == 0 and not llm.has_unfinished()
 
 
 def _run_threads(target: Callable[[int], object], n: int = THREADS) -> list[object]:
