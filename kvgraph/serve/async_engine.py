@@ -128,7 +128,7 @@ class AsyncEngine:
                 continue
             try:
                 events = self.llm.step()
-            except Exception as e:  # the step's requests were aborted; the others go on
+            except Exception as e:  # a kvgraph error: the step's requests were aborted; the others go on
                 log.exception("engine step failed")
                 self._fail_finished(f"the engine step failed: {type(e).__name__}: {e}")
                 continue
@@ -138,11 +138,17 @@ class AsyncEngine:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         now = time.perf_counter()
-        self.metrics.generated_tokens.inc(len(events))
+        self.metrics.generated_tokens.inc(sum(1 for e in events if e.token_id is not None))
         with self._guard:
             for event in events:
                 stream = self._streams.get(event.request_id)
                 if stream is None:  # aborted meanwhile
+                    continue
+                if event.error is not None:  # the model raised in this request's step
+                    del self._streams[event.request_id]
+                    self.llm.pop(event.request_id)
+                    self.metrics.finished.labels("error").inc()
+                    stream.put(EngineFailure(f"the engine step failed: {event.error}"))
                     continue
                 if stream.last is None:
                     self.metrics.ttft.observe(now - stream.arrival)

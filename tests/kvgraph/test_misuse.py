@@ -84,7 +84,7 @@ MANAGER_MISUSES = {
                                  lambda m, a, gone: load_kv_manager(m.params, 2, 16, num_pages=0)),
     "claim: negative count": (BatchSizeError, "claim needs a non-negative int count, got -1",
                               lambda m, a, gone: m.claim(-1)),
-    "claim: more than the free slots": (NoFreeSlotsError, r"claim\(2\) exceeds slots_remaining=1",
+    "claim: more than the free slots": (NoFreeSlotsError, r"claim\(2\) exceeds the 1 free slot",
                                         lambda m, a, gone: m.claim(2)),
     "release: twice": (UnknownSequenceError, "seq_id 1 is not claimed", lambda m, a, gone: m.release(gone)),
     "release: an id never claimed": (UnknownSequenceError, "seq_id 99 is not claimed",

@@ -38,7 +38,7 @@ def fail_on_call(llm, monkeypatch):
 
 def all_free(llm: LLM) -> bool:
     m = llm.manager
-    return m.free_pages == m.total_pages and m.slots_remaining == m.max_batch_size and not llm.has_unfinished()
+    return m.free_pages == m.total_pages and m.num_claimed == 0 and not llm.has_unfinished()
 
 
 def test_a_failing_step_fails_its_requests_and_the_waiting_one_still_matches_greedy(llm, llama, hf_greedy, fail_on_call):
