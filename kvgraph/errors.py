@@ -68,5 +68,5 @@ class RankFailedError(RuntimeError):
     message names it. The group is shut down: the ``LLM`` that owned it takes no more steps."""
 
 
-KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError)
-"""Every error kvgraph raises on purpose: a caller's mistake or a model it cannot serve."""
+KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError, RankFailedError)
+"""Every error kvgraph raises on purpose: a caller's mistake, a model it cannot serve, a lost rank."""

@@ -52,10 +52,11 @@ def load_model(
     path = Path(model)
     if not path.is_dir():
         name = str(model)
-        if "/" not in name and not name.startswith("."):
-            raise InvalidParamsError(
-                f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
-            )
+        if "/" in name or name.startswith("."):
+            raise InvalidParamsError(f"checkpoint directory {name!r} does not exist")
+        raise InvalidParamsError(
+            f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
+        )
     check_checkpoint(path, trust_remote_code)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

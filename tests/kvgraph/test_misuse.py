@@ -18,6 +18,7 @@ from kvgraph.cli import main
 from kvgraph.engine import LLM, SamplingParams
 from kvgraph.errors import (
     BatchSizeError,
+    BatchTypeError,
     BindingError,
     DuplicateSequenceError,
     InvalidParamsError,
@@ -91,8 +92,12 @@ MANAGER_MISUSES = {
                                      lambda m, a, gone: m.release(99)),
     "external_claim: an id already claimed": (DuplicateSequenceError, "seq_id 0 is already claimed",
                                               lambda m, a, gone: m.external_claim([a])),
-    "external_claim: a negative id": (InvalidParamsError, "seq_id must be a non-negative int, got -1",
+    "external_claim: a negative id": (NoFreeSlotsError, r"seq_id -1 is not a slot of this cache: slots are 0\.\.1",
                                       lambda m, a, gone: m.external_claim([-1])),
+    "external_claim: an id past the slots": (NoFreeSlotsError, r"seq_id 100 is not a slot.*max_batch_size=2",
+                                             lambda m, a, gone: m.external_claim([100])),
+    "fetch: a bare seq_id": (BatchTypeError, r"batch\[0\] is int \d+; expected a KVRequest",
+                             lambda m, a, gone: m.fetch([a])),
     "fetch: no tokens": (SequenceLengthError, "tokens is empty",
                          lambda m, a, gone: m.fetch([KVRequest(a, [])])),
     "fetch: past max_seq_len": (SequenceLengthError, "5 cached \\+ 12 new \\+ 0 more steps = 17 tokens, past max_seq_len=16",
@@ -181,7 +186,7 @@ def test_broken_checkpoint_directories_are_refused_by_name(case, checkpoint, tmp
 
 
 CONSTRUCTOR_MISUSES = {
-    "LLM: a number as the model": ({"model": 42}, "model must be an nn.Module or a checkpoint directory, got int"),
+    "LLM: a number as the model": ({"model": 42}, "model must be an nn.Module, a preset name or a checkpoint directory, got int"),
     "LLM: a missing checkpoint directory": ({"model": "/no/such/ckpt"}, "'/no/such/ckpt' does not exist"),
     "LLM: zero batch size": ({"max_batch_size": 0}, "max_batch_size must be a positive int, got 0"),
     "LLM: page size as a string": ({"page_size": "16"}, "page_size must be a positive int, got '16'"),
