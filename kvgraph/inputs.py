@@ -26,8 +26,19 @@ class KVCacheInputs:
     def __getitem__(self, index: int) -> torch.Tensor:
         return list(self)[index]
 
+    def __repr__(self) -> str:
+        """Field names with each tensor's dtype, shape and device, not its values."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                dtype = str(value.dtype).removeprefix("torch.")
+                value = f"{dtype}{list(value.shape)} {value.device}"
+            parts.append(f"{f.name}={value}")
+        return f"{type(self).__name__}({', '.join(parts)})"
 
-@dataclass
+
+@dataclass(repr=False)
 class RaggedKVCacheInputs(KVCacheInputs):
     """Inputs of a ragged graph.
 
@@ -56,7 +67,7 @@ class RaggedKVCacheInputs(KVCacheInputs):
         return self.cache_lengths.shape[0]
 
 
-@dataclass
+@dataclass(repr=False)
 class PaddedKVCacheInputs(KVCacheInputs):
     """Inputs of a padded (non-ragged) graph."""
 
@@ -66,7 +77,7 @@ class PaddedKVCacheInputs(KVCacheInputs):
     null_op: torch.Tensor
 
 
-@dataclass
+@dataclass(repr=False)
 class KVCacheInputsSequence(KVCacheInputs):
     """A sequence of ``KVCacheInputs`` (one per device, or per step); iterating flattens all of them."""
 

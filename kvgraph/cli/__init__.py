@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from kvgraph import __version__
 from kvgraph.cli import bench, dump, generate, serve
 from kvgraph.cli.common import ArgumentParser
 from kvgraph.errors import KVGRAPH_ERRORS
@@ -20,6 +21,7 @@ def build_parser() -> ArgumentParser:
         prog="kvgraph",
         description="Compile an unmodified decoder onto a paged KV cache and serve it with continuous batching.",
     )
+    parser.add_argument("--version", action="version", version=f"kvgraph {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=ArgumentParser)
     for module in (generate, bench, dump, serve):

@@ -17,6 +17,7 @@ from kvgraph.cli.common import (
     add_engine_args,
     add_model_args,
     build_llm,
+    plural,
     positive_int,
     unsharded_model,
 )
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             f"workload {workload.name!r} reaches {workload.max_seq_len} tokens, past --max-seq-len={args.max_seq_len}"
         )
     log = _Log()
-    log(f"workload {workload.name}: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
+    log(f"workload {workload.name}: {plural(len(workload.prompts), 'request')}, {workload.prompt_tokens} prompt tokens, "
         f"{workload.max_new_tokens} new tokens each")
     kvgraph, call_shapes = run_kvgraph(llm, workload)
     llm.close()

@@ -51,6 +51,11 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 prompt"``, ``"2 prompts"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     from kvgraph.presets import DEFAULT_PRESET, preset_names
 
@@ -109,6 +114,10 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
     finished (that rank has nothing left to do)."""
     from kvgraph.engine import LLM
 
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the checkpoint's "Loading weights" bar
     model, tokenizer = load_model_arg(args)
     llm = LLM(
         model,

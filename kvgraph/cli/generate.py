@@ -14,6 +14,7 @@ from kvgraph.cli.common import (
     build_llm,
     int_list,
     non_negative_float,
+    plural,
     positive_int,
 )
 from kvgraph.errors import InvalidParamsError
@@ -97,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     llm = build_llm(args, progress=not args.no_progress)
     if llm is None:
         return 0
+    if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise InvalidParamsError(
+            f"model {args.model!r} has no tokenizer, so text prompts cannot be encoded: give them as token ids "
+            "with --prompt-ids 1,2,3"
+        )
     llm.check_prompts(prompts, sampling)  # before compiling: bad input fails at once
     warmup = llm.warmup()
     start = time.perf_counter()
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     stats = llm.stats()
     new_tokens = sum(len(c.token_ids) for c in completions)
     summary = (
-        f"{len(completions)} prompts, {new_tokens} new tokens in {elapsed:.2f}s: "
+        f"{plural(len(completions), 'prompt')}, {plural(new_tokens, 'new token')} in {elapsed:.2f}s: "
         f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
         f"{kv_usage_text(stats)}, prefix hit rate {stats['prefix_hit_rate']:.0%} "

@@ -114,6 +114,17 @@ class Completion:
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
 
+    def __repr__(self) -> str:
+        """The outcome in one line: ids and text shortened, timings left out."""
+        ids = self.token_ids if len(self.token_ids) <= 8 else [*self.token_ids[:8], "..."]
+        ids_text = ", ".join(map(str, ids))
+        text = self.text if self.text is None or len(self.text) <= 40 else self.text[:40] + "..."
+        error = f", error={self.error!r}" if self.error is not None else ""
+        return (
+            f"Completion(finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens [{ids_text}], "
+            f"text={text!r}, prompt_tokens={self.prompt_tokens}, cached_tokens={self.cached_tokens}{error})"
+        )
+
     @property
     def time_to_first_token(self) -> float | None:
         """Seconds from queueing to the first token."""

@@ -40,3 +40,14 @@ def test_request_new_tokens_skip_the_cached_prefix():
     req.cached_tokens = 4
     assert list(req.new_tokens) == [5]
     assert req.prompt is None
+
+
+def test_repr_shows_shapes_not_values():
+    x = RaggedKVCacheInputs(
+        torch.zeros(8, 2, 2, 4, 2, 4), torch.zeros(3, dtype=torch.int32),
+        torch.zeros(3, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
+    )
+    assert repr(x) == (
+        "RaggedKVCacheInputs(blocks=float32[8, 2, 2, 4, 2, 4] cpu, cache_lengths=int32[3] cpu, "
+        "lookup_table=int32[3, 2] cpu, max_lengths=int32[1, 2] cpu)"
+    )

@@ -2,8 +2,10 @@
 
 import pytest
 
+import kvgraph
 from kvgraph.backend import KVGraphBackend
 from kvgraph.cli import main
+from kvgraph.presets import load_preset
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["dump"], ["serve"]])
@@ -93,3 +95,29 @@ def test_warmup_fits_a_max_seq_len_shorter_than_its_prompts(capsys):
     code = main(["generate", "--prompt-ids", "5", "--max-seq-len", "2", "--max-new-tokens", "1",
                  "--compile", "eager", "--max-batch-size", "2", "--no-progress"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvgraph {kvgraph.__version__}"
+
+
+def test_text_prompt_for_a_checkpoint_without_tokenizer_names_prompt_ids(tmp_path, capsys, compiles):
+    model, _ = load_preset("llama-tiny")
+    model.save_pretrained(tmp_path)  # weights and config, no tokenizer files
+    code = main(["generate", "--model", str(tmp_path), "--prompt", "hello", "--compile", "eager",
+                 "--max-batch-size", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "has no tokenizer" in err and "--prompt-ids 1,2,3" in err
+    assert compiles == []
+
+
+def test_one_prompt_is_counted_in_the_singular(capsys):
+    code = main(["generate", "--prompt-ids", "5,6", "--max-new-tokens", "1", "--compile", "eager",
+                 "--max-batch-size", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "1 prompt, 1 new token in " in err
