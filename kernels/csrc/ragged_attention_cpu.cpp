@@ -29,8 +29,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -275,7 +277,7 @@ inline T exp_and_sum(T* x, T m, int64_t n) {
   Vec total(T(0));
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const Vec e = (Vec::loadu(x + i) - vm).exp();
+    const Vec e = (Vec::loadu(x + i) - vm).exp_u20();
     e.store(x + i);
     total = total + e;
   }
@@ -404,12 +406,28 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
   const int64_t rows_max = kQueryBlock * G;
   const int64_t n_items = static_cast<int64_t>(items.size()) * g.hkv;
 
-  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+  // -- the items, costliest first (rows x keys they read), handed out one at a time: causal
+  //    blocks late in a long prompt cost many times the early ones, and an even split by count
+  //    would leave one thread with most of the work --
+  std::vector<int64_t> cost(items.size()), order(n_items);
+  for (size_t j = 0; j < items.size(); ++j) {
+    const WorkItem& it = items[j];
+    cost[j] = (it.s1 - it.s0) * (int64_t{cl[it.b]} + (it.s0 + it.s1 + 1) / 2);
+  }
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cost[x / g.hkv] > cost[y / g.hkv]; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
+
+  at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
     // per-thread scratch: queries (pre-scaled), accumulators, running max and sum, scores,
     // and one K and one V tile gathered from its pages in the accumulation type
     std::vector<A> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max),
         scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D), context_scores;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < n_items;
+         n = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t i = order[n];
       const WorkItem& item = items[i / g.hkv];
       const int64_t h = i % g.hkv, b = item.b, cached = cl[b];
       const int64_t rows = (item.s1 - item.s0) * G;
