@@ -10,6 +10,9 @@ run as ``kvgraph serve`` in a subprocess, and ``--concurrency`` asyncio clients 
 timing each chunk, ``--repeats`` times. The fastest run of each side counts. Greedy texts must equal the engine's before any figure is printed. Reports
 requests/s, tokens/s, time to first token and inter-token latency percentiles, and
 ``http_vs_engine`` (server tokens/s ÷ engine tokens/s; the issue's target: > 0.9 at 32 streams).
+
+The clients run on the same host as the server and take CPU from it (``client_cpu_s``); on a
+2-core host that is a large share. ``--threads N`` runs both sides' kernels on ``N`` threads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 
 import httpx2
+import torch
 
 from kvgraph.engine import LLM, SamplingParams
 from kvgraph.presets import load_preset
@@ -41,6 +45,8 @@ def percentiles(values: list[float]) -> dict:
 
 
 def engine_run(args, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_preset(args.model)
     llm = LLM(model, tokenizer=tokenizer, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
               compile=args.compile)
@@ -97,6 +103,7 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--compile", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--repeats", type=int, default=2, help="runs of each side; the fastest counts")
+    p.add_argument("--threads", type=int, help="torch threads of both sides (default: one per core)")
     args = p.parse_args()
 
     model, _ = load_preset(args.model)
@@ -107,13 +114,17 @@ def main() -> None:
     engine = engine_run(args, prompts, new)
 
     flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
-             "--max-seq-len", str(args.max_seq_len)]
+             "--max-seq-len", str(args.max_seq_len)] + (["--threads", str(args.threads)] if args.threads else [])
     server = ServerProcess(*flags)
     try:
         url = server.wait_ready()
         log(f"server at {url}: {args.concurrency} concurrent streams")
-        runs = [asyncio.run(load(url, args.model, prompts, new, args.concurrency)) for _ in range(args.repeats)]
-        results, elapsed = min(runs, key=lambda run: run[1])
+        runs = []
+        for _ in range(args.repeats):
+            cpu = time.process_time()
+            results, elapsed = asyncio.run(load(url, args.model, prompts, new, args.concurrency))
+            runs.append((results, elapsed, time.process_time() - cpu))
+        results, elapsed, client_cpu = min(runs, key=lambda run: run[1])
         exit_status = server.stop()
     finally:
         server.kill()
@@ -125,13 +136,15 @@ def main() -> None:
     server_tps, engine_tps = tokens / elapsed, engine["tokens"] / engine["elapsed_s"]
     report = {
         "model": args.model, "workload": args.workload, "requests": len(prompts), "max_new_tokens": new,
-        "concurrency": args.concurrency, "compile": args.compile, "repeats": args.repeats, "greedy_texts_equal": len(results),
+        "concurrency": args.concurrency, "compile": args.compile, "threads": torch.get_num_threads(), "repeats": args.repeats, "greedy_texts_equal": len(results),
         "engine": {"elapsed_s": engine["elapsed_s"], "tokens_per_s": engine_tps},
         "server": {
             "elapsed_s": elapsed, "tokens_per_s": server_tps, "requests_per_s": len(results) / elapsed,
             "ttft_s": percentiles([r["times"][0] - r["start"] for r in results if r["times"]]),
             "itl_s": percentiles([b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]),
             "exit_status_after_sigterm": exit_status,
+            # the load generator shares this host's cores with the server: the CPU seconds it took
+            "client_cpu_s": client_cpu,
         },
         "http_vs_engine": server_tps / engine_tps,
         "target_http_vs_engine_min": 0.9,

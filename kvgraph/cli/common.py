@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from kvgraph.errors import InvalidParamsError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -89,6 +91,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the weights as graph inputs instead of compiling them in as prepacked "
                    "constants (Inductor's freezing)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--threads", type=positive_int,
+                   help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
+                   "core). Fewer leave cores to other work on the host, e.g. the HTTP server's event "
+                   "loop or a load generator next to `kvgraph serve`")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="split the model's heads and MLP over this many ranks (default 1): spawned on "
                    "this host, or the ranks torchrun started")
@@ -118,6 +124,13 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the checkpoint's "Loading weights" bar
+    if getattr(args, "threads", None):
+        if args.tensor_parallel_size > 1:
+            raise InvalidParamsError(
+                f"--threads {args.threads} with --tensor-parallel-size {args.tensor_parallel_size}: each rank "
+                f"takes its share of the host's cores; set OMP_NUM_THREADS per rank under torchrun instead"
+            )
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model_arg(args)
     llm = LLM(
         model,

@@ -203,6 +203,12 @@ class LLM:
         compiling nothing: call it before :meth:`warmup` to refuse bad input at once."""
         self._validate_all(prompts, sampling)
 
+    def encode(self, prompt: Prompt, sampling: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids after every check ``add_request`` makes (it raises what that raises),
+        queueing nothing. It reads only what never changes after construction, so it needs no lock:
+        a caller can tokenize and check while a step runs, then queue the ids."""
+        return self._validate(prompt, sampling)[0]
+
     def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         sampling = check_sampling(sampling, self.vocab_size)
         ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)

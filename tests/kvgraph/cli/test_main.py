@@ -36,6 +36,9 @@ def test_every_subcommand_has_help(command, capsys):
         (["bench", "--baselines", "vllm"], 1, "kvgraph bench: error: unknown baseline 'vllm'"),
         (["serve", "--port", "70000"], 2, "error: argument --port: must be in [0, 65535], got 70000"),
         (["serve", "--model", "llama-huge"], 1, "kvgraph serve: error: unknown model 'llama-huge'"),
+        (["serve", "--threads", "0"], 2, "error: argument --threads: must be a positive int, got 0"),
+        (["generate", "--threads", "1", "--tensor-parallel-size", "2"], 1,
+         "kvgraph generate: error: --threads 1 with --tensor-parallel-size 2: each rank takes its share"),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, status, message, capsys):

@@ -57,3 +57,36 @@ def test_a_model_fault_ends_its_request_with_an_engine_failure(engine, monkeypat
     assert m.free_pages == m.total_pages and m.num_claimed == 0
     failed = engine.metrics.registry.get_sample_value("kvgraph_requests_finished_total", {"finish_reason": "error"})
     assert failed == 1.0
+
+
+def test_requests_sent_together_join_the_same_step_while_the_engine_is_busy(engine, monkeypatch):
+    llm = engine.llm
+    steps, joined = [0], []
+    step, add = llm.step, llm.add_request
+
+    def counted_step(*args, **kwargs):
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    def recorded_add(*args, **kwargs):
+        joined.append(steps[0])
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "step", counted_step)
+    monkeypatch.setattr(llm, "add_request", recorded_add)
+
+    async def scenario():
+        long = await engine.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        async for _ in long:  # the engine is stepping
+            if steps[0] >= 3:
+                break
+        prompts = [[10 + i, 11 + i, 12 + i] for i in range(16)]
+        got = await asyncio.wait_for(asyncio.gather(*(_tokens(engine, p) for p in prompts)), timeout=120)
+        long.abort()
+        return prompts, got
+
+    prompts, got = asyncio.run(scenario())
+    # one step apart at most (the engine thread may take the inbox while they are being sent); queued
+    # from worker threads racing the engine thread for its lock, they spread over several steps
+    assert len(set(joined[1:])) <= 2, f"16 requests sent together were queued at steps {joined[1:]}"
+    assert got == [_hf_greedy(llm.model, p, 3) for p in prompts]
