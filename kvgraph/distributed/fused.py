@@ -215,18 +215,16 @@ def split_in(module: nn.Module, rank: int, n: int) -> None:
         module.in_features //= n
 
 
-def _refuse(name: str, node: torch.fx.Node, why: str) -> None:
-    raise InvalidParamsError(
-        f"tensor parallelism cannot split {name!r}: node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)}): "
-        f"{why}"
-    )
+def _refuse(name: str, node: torch.fx.Node | None, why: str) -> None:
+    where = "" if node is None else f"node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)}): "
+    raise InvalidParamsError(f"tensor parallelism cannot split {name!r}: {where}{why}")
 
 
 def _only_call(gm: torch.fx.GraphModule, target: str, refuse) -> torch.fx.Node:
     """The one call of submodule ``target``."""
     calls = gm.graph.find_nodes(op="call_module", target=target)
     if len(calls) != 1:
-        refuse(next(iter(gm.graph.nodes)), f"{target} is called {len(calls)} times, not once")
+        refuse(None, f"{target} is called {len(calls)} times, not once")
     return calls[0]
 
 

@@ -55,7 +55,8 @@ class ShardingPlan:
         rowwise: linear layers whose input features (weight columns) are split; their outputs
             are all-reduced (the bias is added once).
         world_size: ranks the plan splits over.
-        n_heads: query heads of the model (``q_proj.out_features / head_dim``).
+        n_heads: query heads of the model (``q_proj.out_features / head_dim``, or a third of
+            ``c_attn``'s output features over ``head_dim``).
         n_kv_heads: KV heads of the model.
         fused: attention modules whose ``c_attn`` computes ``[q | k | v]`` (GPT-2, nanoGPT); such
             a plan is applied by :mod:`kvgraph.distributed.fused`, the others by ``parallelize_module``.
