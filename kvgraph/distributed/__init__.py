@@ -2,6 +2,8 @@
 
 - ``plan``: which linear layers split colwise / rowwise (``parallelize_module``), and the checks
   that every rank gets whole heads;
+- ``fused``: models with one ``[q | k | v]`` projection (GPT-2, nanoGPT): weights regrouped per rank,
+  the attention's sizes divided, an all-reduce after each rowwise layer;
 - ``group``: forming or joining the group (spawned ranks, ``torchrun``, or an existing process
   group), timeouts, naming a rank that died, shutting down;
 - ``worker``: spawning ranks ``1 .. N-1`` and what they run;

@@ -31,17 +31,26 @@ def shard_as_rank_zero(model: nn.Module, world_size: int, params: KVCacheParams)
     return plan.local_params(params, params.device)
 
 
+REDUCE_OPS = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)
+"""How a functional all-reduce appears: the packet in a captured graph, the overload after AOTAutograd."""
+
+
 def all_reduces(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes of a captured (or lowered) graph that all-reduce: DTensor ``redistribute`` calls
-    from a ``Partial`` placement (the rowwise layers' partial sums) to a ``Replicate`` one.
-    AOTAutograd turns each into ``_c10d_functional.all_reduce`` followed by ``wait_tensor``."""
+    """The nodes of a captured (or lowered) graph that all-reduce the rowwise layers' partial sums:
+    DTensor ``redistribute`` calls from a ``Partial`` placement to a ``Replicate`` one (the Llama
+    plan; AOTAutograd turns each into ``_c10d_functional.all_reduce`` followed by ``wait_tensor``),
+    and ``_c10d_functional.all_reduce`` calls themselves (the fused-QKV plan's hooks)."""
     from torch.distributed.tensor import DTensor
 
     found = []
-    for node in gm.graph.find_nodes(op="call_method", target="redistribute"):
-        source = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
-        result = node.meta.get("example_value")
-        if isinstance(source, DTensor) and isinstance(result, DTensor):
-            if any(p.is_partial() for p in source.placements) and all(p.is_replicate() for p in result.placements):
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in REDUCE_OPS:
+            found.append(node)
+        elif node.op == "call_method" and node.target == "redistribute":
+            source = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
+            result = node.meta.get("example_value")
+            if isinstance(source, DTensor) and isinstance(result, DTensor) and any(
+                p.is_partial() for p in source.placements
+            ) and all(p.is_replicate() for p in result.placements):
                 found.append(node)
     return found

@@ -10,6 +10,7 @@ def greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[i
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(new_tokens):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            out = model(input_ids=torch.tensor([ids]))
+            logits = getattr(out, "logits", out)[0, -1]  # a Hugging Face output, or the logits (nanoGPT)
             ids.append(int(logits.argmax()))
     return ids[len(prompt):]

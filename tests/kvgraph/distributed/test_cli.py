@@ -41,6 +41,13 @@ def test_dump_shows_rank_zero_graph_with_halved_heads_and_all_reduces():
     assert "[s27, 2, 16]" in out  # ragged_attention over 2 of the 4 query heads
 
 
+def test_dump_of_fused_qkv_gpt2_shows_halved_heads_and_its_all_reduces():
+    done = _kvgraph("dump", "--model", "gpt2-tiny", "--stage", "lowered", "--tensor-parallel-size", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 0 of 2: 4 all-reduces (Partial -> Replicate)" in done.stdout  # c_proj of attention and MLP
+    assert "[total_num_pages, 2, 2, 16, 2, 16]" in done.stdout  # 2 of the 4 KV heads per rank
+
+
 def test_generate_size_error_is_one_line():
     done = _kvgraph("generate", "--model", "llama-tiny", "--tensor-parallel-size", "3", "--compile", "eager")
     assert done.returncode == 1

@@ -1,25 +1,30 @@
-"""The sharding plan's checks: sizes that do not divide and fused projections fail before any work."""
+"""The sharding plan: what it splits, the fused-QKV rewrite of one rank's attention, and the sizes and
+fused projections it refuses before any work."""
 
+import copy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 import kvgraph
 from kvgraph.distributed import ShardingPlan
-from kvgraph.engine.loading import kv_params_from_config
+from kvgraph.distributed.fused import shard_attention, split_in
+from kvgraph.engine.loading import kv_params_from_config, traced_kv_params
 from kvgraph.errors import InvalidParamsError
 from kvgraph.presets import load_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from nanogpt_model import NanoGPT  # noqa: E402
+from nanogpt_model import CausalSelfAttention, NanoGPT  # noqa: E402
+
+KW = dict(cache_strategy="paged", page_size=4, enable_prefix_caching=False, device=torch.device("cpu"))
 
 
 def _params(model):
-    return kv_params_from_config(
-        model, cache_strategy="paged", page_size=4, enable_prefix_caching=False, device=torch.device("cpu")
-    )
+    return kv_params_from_config(model, **KW)
 
 
 def test_plan_splits_attention_and_mlp_of_llama():
@@ -47,13 +52,57 @@ def test_kv_heads_that_do_not_split_are_named():
         ShardingPlan.of(model, 4, _params(model))
 
 
-def test_fused_qkv_is_refused_by_name():
-    model, _ = load_preset("gpt2-tiny")
-    params = _params(model)
-    with pytest.raises(InvalidParamsError, match=r"cannot split 'transformer.h.0.attn.c_attn'"):
-        ShardingPlan.of(model, 2, params)
-    with pytest.raises(InvalidParamsError, match=r"cannot split 'h.0.attn.c_attn'"):
-        ShardingPlan.of(NanoGPT(), 2, params)
+def test_plan_of_fused_qkv_models_regroups_c_attn_and_splits_the_mlp():
+    nano = NanoGPT()
+    plan = ShardingPlan.of(nano, 2, traced_kv_params(nano, **KW))
+    assert plan.fused == ("h.0.attn", "h.1.attn")
+    assert plan.colwise == ("h.0.mlp.0", "h.1.mlp.0")
+    assert plan.rowwise == ("h.0.attn.c_proj", "h.0.mlp.2", "h.1.attn.c_proj", "h.1.mlp.2")
+    gpt2, _ = load_preset("gpt2-tiny")
+    plan = ShardingPlan.of(gpt2, 2, _params(gpt2))
+    assert len(plan.fused) == 2 and (plan.n_heads, plan.n_kv_heads) == (4, 4)
+    assert plan.colwise == ("transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc")
+
+
+def test_per_rank_attention_of_two_ranks_sums_to_the_whole():
+    """Each rank's regrouped c_attn, rewritten sizes and input-split c_proj; the all-reduce is the sum."""
+    attn = NanoGPT(n_embd=48, n_head=6, block_size=16, seed=1).h[0].attn
+    x = torch.randn(1, 11, 48, generator=torch.Generator().manual_seed(0))
+    parts = []
+    for rank in range(2):
+        mine = copy.deepcopy(attn)
+        local = shard_attention(mine, "h.0.attn", rank, 2)
+        split_in(mine.c_proj, rank, 2)
+        assert mine.c_attn.weight.shape == (72, 48) and mine.c_proj.weight.shape == (48, 24)
+        with torch.no_grad():
+            parts.append(local(x))
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0] + parts[1], attn(x))
+
+
+class ChunkedAttention(CausalSelfAttention):
+    """Splits the fused output with ``chunk``: a form the rewrite does not know."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        y = F.scaled_dot_product_attention(*(t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v)))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_fused_attention_the_rewrite_does_not_match_is_refused_by_node():
+    model = NanoGPT()
+    model.h[1].attn = ChunkedAttention(32, 4, 32)
+    with pytest.raises(InvalidParamsError, match=r"cannot split 'h.1.attn': node c_attn .*not split once"):
+        ShardingPlan.of(model, 2, traced_kv_params(NanoGPT(), **KW))
+
+
+def test_other_fused_projections_are_refused_by_name():
+    config = GPTNeoXConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=64)
+    model = GPTNeoXForCausalLM(config)
+    with pytest.raises(InvalidParamsError, match=r"cannot split 'gpt_neox.layers.0.attention.query_key_value'"):
+        ShardingPlan.of(model, 2, _params(model))
 
 
 def test_tensor_parallel_size_must_be_positive():
