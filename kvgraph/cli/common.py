@@ -124,7 +124,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the checkpoint's "Loading weights" bar
-    if getattr(args, "threads", None):
+    if args.threads:
         if args.tensor_parallel_size > 1:
             raise InvalidParamsError(
                 f"--threads {args.threads} with --tensor-parallel-size {args.tensor_parallel_size}: each rank "
