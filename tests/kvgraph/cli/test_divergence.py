@@ -69,6 +69,9 @@ def test_a_gap_above_the_rounding_error_is_not():
 
 def test_the_default_exact_model_is_a_float64_copy():
     model = torch.nn.Linear(3, 4).to(torch.bfloat16)
+    with torch.no_grad():  # 1 + 2**-9 is 1 in bfloat16 (8 significant bits): a rounding error of 2**-9
+        model.weight.fill_(1.0)
+        model.bias.fill_(2.0**-9)
 
     class Wrapped(torch.nn.Module):
         def __init__(self, lin):
@@ -81,7 +84,7 @@ def test_the_default_exact_model_is_a_float64_copy():
 
     wrapped = Wrapped(model)
     [d] = explain(wrapped, [[0, 1]], [[1]], [[2]])
-    assert d["noise"] > 0 and wrapped.lin.weight.dtype == torch.bfloat16  # the model itself is untouched
+    assert d["noise"] == 2.0**-9 and wrapped.lin.weight.dtype == torch.bfloat16  # the model itself is untouched
 
 
 def test_agreement_text_names_what_is_not_explained():
