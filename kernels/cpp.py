@@ -151,6 +151,7 @@ def ragged_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The op on CPU tensors through the C++ kernel (arguments as ``torch.ops.kvgraph.ragged_attention``).
 
@@ -168,7 +169,13 @@ def ragged_attention(
     from kvgraph.errors import CacheInputError
     from kvgraph.kernels.ops import check_inputs
 
-    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
+    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                 sliding_window)
+    if sliding_window is not None:
+        from kvgraph.kernels import cpu
+
+        return cpu.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
+                                    layer_idx, scale, sliding_window)
     kernel = _kernel()
     try:
         return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)

@@ -27,19 +27,22 @@ def ragged_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The op on CPU tensors (arguments as ``torch.ops.kvgraph.ragged_attention``).
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
         cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``.
+        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
+        sliding_window: keys each token sees, itself included (``None``: all before it).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
     batch, k_ctx, v_ctx = store_and_load_context(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
+        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+        sliding_window,
     )
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -48,7 +51,7 @@ def ragged_attention(
     acc = torch.float32 if q.dtype == torch.float16 else q.dtype
     # rows (s, g) of one kv head: [B, S, Hkv, G, D] -> [B, Hkv, S * G, D]
     q_rows = batch.pad(q).to(acc).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
-    mask = batch.mask().repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]
+    mask = batch.mask(sliding_window).repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]
     out = F.scaled_dot_product_attention(
         q_rows, k_ctx.to(acc).transpose(1, 2), v_ctx.to(acc).transpose(1, 2), attn_mask=mask, scale=scale
     )  # [B, Hkv, S * G, D]

@@ -1,10 +1,12 @@
 """The fused KV-cache attention op ``kvgraph::ragged_attention`` and its input checks.
 
 ``torch.ops.kvgraph.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table,
-input_row_offsets, max_lengths, layer_idx, scale=None)`` first stores the new tokens'
-K and V into layer ``layer_idx`` of the cache, then returns causal attention of every
-new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
-of sequence ``b`` sits at position ``cache_lengths[b] + i - input_row_offsets[b]``.
+input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None)`` first stores
+the new tokens' K and V into layer ``layer_idx`` of the cache, then returns causal attention of
+every new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
+of sequence ``b`` sits at position ``p = cache_lengths[b] + i - input_row_offsets[b]`` and sees
+positions ``0..p``, or with a ``sliding_window`` of ``w`` tokens only ``max(0, p - w + 1)..p``
+(Mistral's and Gemma's local attention: ``w`` keys, itself included).
 
 Implementations: a fake (shape) impl for tracing; on the CPU the C++ paged kernel
 (:mod:`kvgraph.kernels.cpp`, pages read in place), or the SDPA path (:mod:`kvgraph.kernels.cpu`)
@@ -40,6 +42,7 @@ def check_inputs(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> None:
     """Raise ``CacheInputError`` unless the op's arguments have consistent dtypes, ranks, shapes and devices.
 
@@ -108,6 +111,11 @@ def check_inputs(
         raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise CacheInputError(f"scale must be a finite positive float or None, got {scale!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise CacheInputError(f"sliding_window must be a positive int (keys seen, itself included) or None, "
+                              f"got {sliding_window!r}")
 
 
 def check_values(
@@ -175,7 +183,8 @@ def check_values(
 
 SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, Tensor lookup_table, "
-    "Tensor input_row_offsets, Tensor max_lengths, int layer_idx, float? scale=None) -> Tensor"
+    "Tensor input_row_offsets, Tensor max_lengths, int layer_idx, float? scale=None, "
+    "int? sliding_window=None) -> Tensor"
 )
 
 
@@ -195,6 +204,7 @@ def ragged_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Store the new K/V into the cache, then causal attention over each sequence's cache.
 
@@ -210,12 +220,15 @@ def ragged_attention(
         max_lengths: ``int32 [num_steps, 2]`` on the CPU; row 0 = ``[max new, max cached + new]``.
         layer_idx: the layer of the cache to write and read.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
+        sliding_window: ``w`` >= 1: the token at position ``p`` sees only positions ``p - w + 1..p``
+            (the cache still holds every position); ``None``: all of ``0..p``.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype. q, k, v and kv_blocks share one dtype and device.
     """
     return torch.ops.kvgraph.ragged_attention(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
+        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+        sliding_window,
     )
 
 

@@ -121,19 +121,23 @@ class RaggedBatch:
         """``x [batch, max_new, ...]`` -> ``[T, ...]``: inverse of :meth:`pad`."""
         return x[self.batch_idx, self.new_idx]
 
-    def mask(self) -> torch.Tensor:
+    def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """bool ``[batch, max_new, max_total]``: new token ``s`` of sequence ``b`` sees position ``j``.
 
-        Causal with the cache as offset: ``j <= cache_lengths[b] + s``. Padding rows
-        (``s`` past the sequence's new tokens) keep at least position 0, so no row is
-        fully masked; they are dropped by :meth:`unpad`.
+        Causal with the cache as offset: ``j <= cache_lengths[b] + s``, and with a sliding
+        window of ``w`` tokens also ``j > cache_lengths[b] + s - w``. Padding rows (``s`` past
+        the sequence's new tokens) keep at least their last position, so no row is fully
+        masked; they are dropped by :meth:`unpad`.
         """
         device = self.cache_lengths.device
         s = torch.arange(self.max_new, device=device)
         j = torch.arange(self.max_total, device=device)
         # last visible position of each (sequence, new token): [batch, max_new, 1]
         last = (self.cache_lengths[:, None] + s[None, :])[..., None]
-        return j[None, None, :] <= last
+        seen = j[None, None, :] <= last
+        if sliding_window is not None:
+            seen &= j[None, None, :] > last - sliding_window
+        return seen
 
 
 def _collection(
@@ -176,13 +180,15 @@ def store_and_load_context(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None,
+    sliding_window: int | None = None,
 ) -> tuple[RaggedBatch, torch.Tensor, torch.Tensor]:
     """The op's first half: validate, store the new K/V, load every sequence's whole context.
 
     Arguments are the op's. Returns ``(batch, k_ctx, v_ctx)`` with ``k_ctx, v_ctx``
     ``[batch, max_total, Hkv, D]`` in the cache dtype, zero past each sequence's length.
     """
-    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
+    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                 sliding_window)
     check_values(kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, q.shape[0])
     collection = _collection(kv_blocks, cache_lengths, lookup_table, max_lengths)
     store_kv(k, v, collection, input_row_offsets, layer_idx)
@@ -203,19 +209,22 @@ def ragged_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference of ``torch.ops.kvgraph.ragged_attention`` (same arguments, same cache writes).
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
         cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]`` (CPU).
+        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]`` (CPU);
+        sliding_window: keys each token sees, itself included (``None``: all before it).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, computed in float32 (float64 for float64 inputs).
     """
     batch, k_ctx, v_ctx = store_and_load_context(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale
+        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+        sliding_window,
     )
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -225,7 +234,7 @@ def ragged_attention(
     # qg: [B, S, Hkv, G, D]: the G query heads of one kv head side by side
     qg = batch.pad(q).to(acc).view(B, S, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bshgd,blhd->bhgsl", qg, k_ctx.to(acc)) * scale  # [B, Hkv, G, S, L]
-    scores = scores.masked_fill(~batch.mask()[:, None, None], float("-inf"))
+    scores = scores.masked_fill(~batch.mask(sliding_window)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgsl,blhd->bshgd", probs, v_ctx.to(acc))  # [B, S, Hkv, G, D]
     return batch.unpad(out.reshape(B, S, Hq, D)).to(q.dtype)
@@ -239,6 +248,7 @@ def naive_attention_fp64(
     v_cached: Sequence[torch.Tensor],
     input_row_offsets: torch.Tensor | Sequence[int],
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Float64 golden: causal attention of each sequence's new tokens over its history, one sequence at a time.
 
@@ -248,6 +258,7 @@ def naive_attention_fp64(
         k_cached, v_cached: per sequence ``[cache_len_b, Hkv, D]``: what the cache held before the step.
         input_row_offsets: ``[batch + 1]`` prefix sums of new tokens.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
+        sliding_window: keys each token sees, itself included (``None``: every earlier one).
 
     Returns:
         ``[T, Hq, D]`` float64.
@@ -265,6 +276,9 @@ def naive_attention_fp64(
         scores = torch.einsum("shd,lhd->hsl", q[lo:hi].double(), keys) * scale  # [Hq, S, L]
         s = torch.arange(hi - lo, device=q.device)[:, None]
         j = torch.arange(keys.shape[0], device=q.device)[None, :]
-        scores = scores.masked_fill(j > cached + s, float("-inf"))
+        hidden = j > cached + s
+        if sliding_window is not None:
+            hidden |= j <= cached + s - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[lo:hi] = torch.einsum("hsl,lhd->shd", torch.softmax(scores, dim=-1), values)
     return out

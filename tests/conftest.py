@@ -1,16 +1,25 @@
-"""Suite-wide set-up: without CUDA, Triton kernels run in Triton's interpreter on CPU tensors.
+"""Suite-wide set-up: without CUDA, Triton kernels run in Triton's interpreter on CPU tensors;
+every test starts from the same random state, so a model built with random weights is the same
+model whatever ran before it.
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is imported, so it is set here,
 before any test module can import one.
 """
 
 import os
+import random
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,6 +29,7 @@ def ragged_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Store the new tokens' K/V into the cache, then causal attention over each sequence's cache.
 
@@ -53,6 +54,8 @@ def ragged_attention(
     Raises:
         CacheInputError: a shape, dtype, device or layout the kernels cannot take; nothing is written.
     """
+    if sliding_window is not None:
+        raise NotImplementedError("the Triton kernels take no sliding_window yet")
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
                         layer_idx, scale)
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
