@@ -100,6 +100,24 @@ class BackendOptions:
 
 
 @dataclass
+class ModelWindows:
+    """The sliding window of each attention site of one model, learnt from its first lowered graph
+    with a dynamic token count; graphs Dynamo captures for a fixed count (``T == 1``) cannot show
+    windows wider than that and take these (``known``: ``None`` until learnt)."""
+
+    known: tuple[int | None, ...] | None = None
+
+    def learn(self, result: LoweringResult) -> None:
+        """Keep the windows of ``result`` if it is the model's first graph of a dynamic token count."""
+        from kvgraph.passes.patterns import static_size
+
+        if self.known is None and result.sites:
+            token_count = static_size(result.sites[0].q.meta["example_value"].shape[2])
+            if not isinstance(token_count, int):
+                self.known = tuple(s.sliding_window for s in result.sites)
+
+
+@dataclass
 class LoweredGraph:
     """One graph lowered for one layout and compiled by the inner compiler."""
 
@@ -122,9 +140,11 @@ class GraphRunner:
         options: the backend's options.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, options: BackendOptions) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, options: BackendOptions, model_windows: ModelWindows | None = None,
+                 ) -> None:
         self.gm = gm
         self.options = options
+        self.model_windows = model_windows if model_windows is not None else ModelWindows()
         self.layouts: dict[CacheLayout, LoweredGraph] = {}
         self.graph_device = _graph_device(gm)
         self.fixed_layout = CacheLayout.of(options.params) if options.params is not None else None
@@ -156,11 +176,12 @@ class GraphRunner:
         result = lower(
             gm, cache_strategy=layout.strategy, page_size=layout.page_size, device=layout.device,
             expected=self.options.params, strict=True, prune_logits=self.options.prune_logits,
-            dump=self.options.dump, example_inputs=list(example_inputs),
+            dump=self.options.dump, example_inputs=list(example_inputs), windows=self.model_windows.known,
         )
         if not result.lowered:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
         refuse_own_cache(gm, result.sites)
+        self.model_windows.learn(result)
         names = list(result.kv_placeholders)
         for node in gm.graph.find_nodes(op="placeholder"):
             if node.name in names and not hasattr(node, "_dynamo_source"):
@@ -198,10 +219,11 @@ class KVGraphBackend:
     def __init__(self, options: BackendOptions | None = None) -> None:
         self.options = options or BackendOptions()
         self.runners: list[GraphRunner] = []
+        self.model_windows = ModelWindows()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
-        runner = GraphRunner(gm, self.options)
+        runner = GraphRunner(gm, self.options, self.model_windows)
         binding = current_binding()
         layout = runner.fixed_layout or (binding.layout if binding is not None else None)
         if layout is not None:

@@ -1,9 +1,11 @@
-"""Prove that an attention site's mask is exactly causal, by evaluating it.
+"""Prove that an attention site's mask is exactly causal, or causal within a sliding window, by evaluating it.
 
 A site changes its scores before softmax through a list of :class:`MaskEffect`s (an additive
 mask, a ``masked_fill``, a boolean SDPA ``attn_mask``). The tensors those effects read are
 computed by a *mask subgraph*. Lowering may drop that subgraph only if it is the plain
-causal mask, so :class:`MaskProver`:
+causal mask, or the causal mask of a sliding window of ``w`` tokens (token ``i`` sees
+``j`` for ``i - w < j <= i``: Mistral, Gemma, Qwen2's local layers), which the fused op
+applies itself; so :class:`MaskProver`:
 
 1. checks with the networkx view that the subgraph depends only on sizes (the token-count
    SymInt, metadata reads of activations), position ids and constants (module buffers),
@@ -11,9 +13,11 @@ causal mask, so :class:`MaskProver`:
 2. evaluates it concretely at several token counts (and, when it reads position ids, at two
    position offsets), starting from zero scores, and compares the result with ``tril``:
    every visible score must be left exactly unchanged, every future score pushed below
-   ``MASKED`` (``-inf`` or a very negative number).
+   ``MASKED`` (``-inf`` or a very negative number); earlier scores may be hidden only as a
+   band ``i - j >= w``, the same ``w`` at every size and offset (a window shows from
+   ``w + 1`` tokens on; every integer literal ``c`` of the subgraph is checked at ``c + 1``).
 
-Sliding windows, padding masks, ALiBi or other biases, and non-causal masks all fail 2.
+Padding masks, ALiBi or other biases, and non-causal masks all fail 2.
 """
 
 from __future__ import annotations
@@ -34,9 +38,18 @@ Node = torch.fx.Node
 
 MASKED = -1.0e4  # a score at or below this is hidden: exp(MASKED - O(10)) == 0 in every float dtype
 CHECK_TOKENS = (2, 3, 5, 8)  # token counts every mask is evaluated at (Dynamo specialises 0 and 1)
-MAX_CHECK_TOKENS = 2048  # largest token count a mask is evaluated at
+MAX_CHECK_TOKENS = 8192  # largest token count a mask is evaluated at (Mistral's window is 4096)
 POSITION_OFFSETS = (0, 3)
 UNBOUNDED = 1 << 30  # integer literals this large (open slices, "no window") bound nothing  # positions arange(T) + offset: causal for a fresh and a continued sequence
+
+
+@dataclass(frozen=True)
+class MaskProof:
+    """What evaluating a mask established: ``text`` for logs, and the ``sliding_window`` it
+    applies (keys each token sees, itself included), ``None`` for plain causal."""
+
+    text: str
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,18 +79,20 @@ class MaskProver:
         view: GraphView,
         token_count: int | torch.SymInt,
         example_inputs: Sequence[object] | None = None,
+        known_windows: Sequence[int | None] = (),
     ) -> None:
         self.gm = gm
+        self.known_windows = frozenset(w for w in known_windows if w is not None)
         self.view = view
         self.token_count = static_size(token_count)
         self.example_inputs = example_inputs
         self._placeholder_index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
-        self._proven: dict[tuple[MaskEffect, ...], str] = {}
+        self._proven: dict[tuple[MaskEffect, ...], MaskProof] = {}
         self._subgraphs: dict[tuple[MaskEffect, ...], frozenset[Node]] = {}
 
     # -- public --
-    def prove(self, site: Node, effects: Sequence[MaskEffect]) -> str:
-        """A one-line account of the check, or ``LoweringError`` naming ``site``."""
+    def prove(self, site: Node, effects: Sequence[MaskEffect]) -> MaskProof:
+        """The window the mask applies and a one-line account, or ``LoweringError`` naming ``site``."""
         key = tuple(effects)
         if key not in self._proven:
             self._proven[key] = self._prove(site, key)
@@ -91,7 +106,7 @@ class MaskProver:
         return self._subgraphs[key]
 
     # -- steps --
-    def _prove(self, site: Node, effects: tuple[MaskEffect, ...]) -> str:
+    def _prove(self, site: Node, effects: tuple[MaskEffect, ...]) -> MaskProof:
         nodes = self.mask_nodes(effects)
         leaves = self.view.leaves(nodes)
         for leaf in leaves:
@@ -100,14 +115,27 @@ class MaskProver:
         sizes = self._check_sizes(site, nodes, leaves)
         offsets = POSITION_OFFSETS if has_positions else (0,)
         ordered = sorted(nodes | self.view.shape_sources(set(nodes)), key=self.view.order.__getitem__)
+        seen: dict[str, int | None] = {}  # where -> the window shown there (None: none)
         for T in sizes:
             for offset in offsets:
-                scores = self._evaluate(site, ordered, nodes, effects, T, offset)
-                reason = _causal_violation(scores, T)
+                where = f"{T} tokens" + (f", positions starting at {offset}" if has_positions else "")
+                reason, seen[where] = _window_of(self._evaluate(site, ordered, nodes, effects, T, offset), T)
                 if reason is not None:
-                    where = f"{T} tokens" + (f", positions starting at {offset}" if has_positions else "")
                     raise LoweringError(f"cannot lower attention {describe(site)}: its mask {reason} (at {where})")
-        return f"mask proven causal at {len(sizes)} token counts up to {max(sizes)}"
+        windows = {w: where for where, w in seen.items() if w is not None}
+        window = min(windows, default=None)
+        for where, w in seen.items():
+            # one window everywhere: it shows at every size above it, never below
+            if window is not None and w != window and (w is not None or int(where.split()[0]) > window):
+                other = "no earlier token hidden" if w is None else f"a window of {w} tokens"
+                raise LoweringError(
+                    f"cannot lower attention {describe(site)}: its mask is a sliding window of {window} tokens at "
+                    f"{windows[window]}, but {other} at {where}; only one fixed window can be lowered")
+        text = f"mask proven causal at {len(sizes)} token counts up to {max(sizes)}"
+        if window is not None:
+            text = f"mask proven causal within a sliding window of {window} tokens at {len(sizes)} token counts " \
+                   f"up to {max(sizes)}"
+        return MaskProof(text, window)
 
     def _check_leaf(self, site: Node, leaf: Node) -> None:
         kind = placeholder_kind(leaf)
@@ -138,14 +166,17 @@ class MaskProver:
         if isinstance(self.token_count, int):
             # A static graph is evaluated at its one token count; what its mask would do beyond
             # it is known only for causal tables (nanoGPT's tril buffer, sliced [:T, :T]).
+            # The windows of a dynamic graph of the same model (``known_windows``) explain their
+            # literals: the caller gives its sites those windows.
             T = self.token_count
-            beyond = sorted(c for c in literals if c > T) + sorted(
+            beyond = sorted(c for c in literals if c > T and c not in self.known_windows) + sorted(
                 max(v.shape) for v in constants.values() if max(v.shape, default=0) > T and not is_causal_table(v))
             if beyond:
                 raise LoweringError(
                     f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
-                    f"tokens, but its mask uses the size {beyond[0]} it cannot be checked at; "
-                    "capture with dynamic=True"
+                    f"tokens, but its mask uses the size {beyond[0]} (a sliding window?) it cannot be checked "
+                    "at; lower a graph of several tokens of the same model first (kvgraph.LLM.warmup() "
+                    "does), or capture with dynamic=True"
                 )
             return [T]
         wanted = set(CHECK_TOKENS) | {c + 1 for c in literals if c >= 2} | {d for d in dims if d >= 2}
@@ -286,16 +317,19 @@ def is_causal_table(table: torch.Tensor) -> bool:
     return bool((z[:, lower] == 0).all() and (z[:, ~lower] <= MASKED).all())
 
 
-def _causal_violation(scores: torch.Tensor, T: int) -> str | None:
-    """Why ``scores`` ([..., T, T], zeros where visible) is not the causal mask, or None."""
+def _window_of(scores: torch.Tensor, T: int) -> tuple[str | None, int | None]:
+    """``(why scores are not causal, None)``, or ``(None, w)``: ``scores`` ([..., T, T], zeros
+    where visible) is the causal mask of a sliding window of ``w`` tokens (``None``: no
+    earlier token hidden at this size), the same in every leading slice."""
     if scores.dim() < 2 or tuple(scores.shape[-2:]) != (T, T) or scores.dim() > 4:
-        return f"has shape {tuple(scores.shape)}, not [..., {T}, {T}] (cross-attention or a non-square mask)"
+        return f"has shape {tuple(scores.shape)}, not [..., {T}, {T}] (cross-attention or a non-square mask)", None
     lower = torch.ones(T, T, dtype=torch.bool).tril()
+    distance = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # i - j
+    windows = set()
     for z in scores.reshape(-1, T, T):
         if torch.isnan(z).any():
-            return "produces NaN scores"
+            return "produces NaN scores", None
         checks = (
-            (lower & (z <= MASKED), "hides earlier token {j} from token {i} (a sliding window or padding mask)"),
             (lower & (z != 0) & (z > MASKED),
              "adds the bias {b:g} to the score of token {i} for token {j} (ALiBi or another additive bias)"),
             (~lower & (z > MASKED), "lets token {i} see the later token {j} (not causal)"),
@@ -303,5 +337,19 @@ def _causal_violation(scores: torch.Tensor, T: int) -> str | None:
         for bad, message in checks:
             if bad.any():
                 i, j = (int(x) for x in torch.nonzero(bad)[0])
-                return message.format(i=i, j=j, b=float(z[i, j]))
-    return None
+                return message.format(i=i, j=j, b=float(z[i, j])), None
+        hidden = lower & (z <= MASKED)
+        if not hidden.any():
+            windows.add(None)
+            continue
+        w = int(distance[hidden].min())  # the nearest hidden earlier token: a window of w tokens
+        band = lower & (distance >= w)
+        if w == 0 or not torch.equal(hidden, band):
+            i, j = (int(x) for x in torch.nonzero(hidden if w == 0 else hidden ^ band)[0])
+            what = f"hides earlier token {j} from token {i}" if hidden[i, j] else \
+                f"shows earlier token {j} to token {i} but hides nearer ones"
+            return f"{what}, which no sliding window does (a padding or custom mask)", None
+        windows.add(w)
+    if len(windows) > 1:
+        return f"differs between heads or batch rows: windows {sorted(windows, key=str)}", None
+    return None, windows.pop()

@@ -3,7 +3,8 @@
 A site is either
 
 * ``F.scaled_dot_product_attention(q, k, v, ...)`` with ``is_causal=True`` or an
-  ``attn_mask`` proven causal, any ``scale``, ``enable_gqa``; or
+  ``attn_mask`` proven causal (or causal within a sliding window, which the site then carries
+  to the fused op), any ``scale``, ``enable_gqa``; or
 * the explicit pattern ``matmul(q, k.transpose(-2, -1)) -> (* scale | / scale)* ->
   (+ mask | masked_fill | where)* -> softmax(-1) -> (cast | dropout p=0)* -> matmul(., v)``.
 
@@ -26,7 +27,7 @@ import torch.fx
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
-from kvgraph.passes.causal_mask import MaskEffect, MaskProver
+from kvgraph.passes.causal_mask import MaskEffect, MaskProof, MaskProver
 from kvgraph.passes.graph_view import GraphView, describe, meta_value
 from kvgraph.passes.log import log_pass
 
@@ -59,6 +60,7 @@ class AttentionSite:
     mask: str  # how causality was established
     body: frozenset[Node]  # the nodes of the pattern itself
     layer_idx: int = -1
+    sliding_window: int | None = None  # keys each token sees (itself included) under a local mask
 
     def __repr__(self) -> str:
         return (f"AttentionSite(layer {self.layer_idx}: {self.kind} '{self.node.name}', Hq={self.n_heads}, "
@@ -111,11 +113,18 @@ class _Match:
     body: frozenset[Node]
 
 
-def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> AttentionAnalysis:
+def run(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object] | None = None,
+    windows: Sequence[int | None] | None = None,
+) -> AttentionAnalysis:
     """Find and check every attention site of ``gm`` (not modified); ``LoweringError`` on refusal.
 
     ``example_inputs`` (real tensors for ``gm``'s placeholders, as a Dynamo backend receives
-    them) let masks that read constant buffers be evaluated.
+    them) let masks that read constant buffers be evaluated. ``windows``: each site's sliding
+    window as proven on a graph of the same model with a dynamic token count; a graph captured
+    for a fixed token count ``T`` (Dynamo specialises ``T == 1``) cannot show a window wider
+    than ``T``, so its sites take these, checked consistent with what ``T`` tokens show.
     """
     start = time.perf_counter()
     view = GraphView(gm)
@@ -123,10 +132,12 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     if not matches:
         raise LoweringError("no attention site found in the graph: nothing to lower")
     token_count = P.shape(matches[0].q)[2] if len(P.shape(matches[0].q) or ()) == 4 else None
-    prover = MaskProver(gm, view, token_count, example_inputs)
+    prover = MaskProver(gm, view, token_count, example_inputs, windows or ())
     sites = [_check(view, prover, m, token_count) for m in matches]
     for i, site in enumerate(sites):
         site.layer_idx = i
+    if windows is not None and isinstance(token_count, int):
+        _take_windows(sites, list(windows), token_count)
     _check_uniform(sites)
     _check_positions_are_inputs(view, sites, matches, token_count)
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
@@ -135,7 +146,8 @@ def run(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
     kinds = ", ".join(sorted({s.kind + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
     log_pass("find_attention", start,
              f"{len(sites)} sites ({kinds}), Hkv={analysis.n_kv_heads}, D={analysis.head_dim}, "
-             f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask}")
+             f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask}"
+             + _windows_text(sites))
     return analysis
 
 
@@ -302,10 +314,10 @@ def _check(view: GraphView, prover: MaskProver, m: _Match, token_count: object) 
     dtypes = {meta_value(n).dtype for n in (m.q, k, v)}
     if len(dtypes) != 1:
         raise refuse(f"q, k, v dtypes differ: {sorted(map(str, dtypes))}")
-    mask = m.mask or prover.prove(m.node, m.effects)
+    proof = MaskProof(m.mask) if m.mask else prover.prove(m.node, m.effects)
     val = meta_value(m.q)
     return AttentionSite(m.node, m.kind, m.q, k, v, Hq, Hkv, D, val.dtype, val.device, m.scale,
-                         m.scale_factors, how, mask, m.body)
+                         m.scale_factors, how, proof.text, m.body, sliding_window=proof.sliding_window)
 
 
 def _unrepeat(m: _Match) -> tuple[Node, Node, str | None]:
@@ -337,6 +349,32 @@ def _check_positions_are_inputs(
                 f"{describe(node)}, computed from the token count; in a ragged batch they are not "
                 "0..T-1, so pass position ids as a graph input (HF: position_ids=)"
             )
+
+
+def _take_windows(sites: list[AttentionSite], windows: list[int | None], T: int) -> None:
+    """Give the sites of a fixed-size graph the windows a dynamic graph of the model showed."""
+    if len(windows) != len(sites):
+        raise LoweringError(
+            f"the graph has {len(sites)} attention sites, but the model's graph of several tokens had "
+            f"{len(windows)}; one model must capture the same layers at every token count")
+    for site, known in zip(sites, windows, strict=True):
+        shown = site.sliding_window
+        if shown != known and (shown is not None or known is None or T > known):
+            raise LoweringError(
+                f"cannot lower attention {describe(site.node)}: at {T} tokens its mask is "
+                f"{'plain causal' if shown is None else f'a sliding window of {shown} tokens'}, but in the "
+                f"model's graph of several tokens {'plain causal' if known is None else f'a window of {known}'}")
+        if known is not None and shown is None:
+            site.sliding_window = known
+            site.mask += f"; sliding window of {known} tokens from the model's graph of several tokens"
+
+
+def _windows_text(sites: list[AttentionSite]) -> str:
+    windowed = [s for s in sites if s.sliding_window is not None]
+    if not windowed:
+        return ""
+    sizes = sorted({s.sliding_window for s in windowed})
+    return f"; {len(windowed)} of {len(sites)} sites in sliding windows of {', '.join(map(str, sizes))} tokens"
 
 
 def _check_uniform(sites: list[AttentionSite]) -> None:

@@ -62,6 +62,7 @@ class LoweringPipeline:
         prune_logits: bool = True,
         dump: Dump | None = None,
         example_inputs: Sequence[object] | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         self.cache_strategy = KVCacheStrategy.parse(cache_strategy)
         # Validates page_size for the strategy now (InvalidParamsError), before any graph is touched.
@@ -73,6 +74,7 @@ class LoweringPipeline:
         self.prune_logits = prune_logits
         self.dump = dump
         self.example_inputs = example_inputs
+        self.windows = windows
 
     def __call__(self, gm: torch.fx.GraphModule) -> LoweringResult:
         start = time.perf_counter()
@@ -105,7 +107,7 @@ class LoweringPipeline:
             self._dump(name, gm)
             return out
 
-        analysis = step("find_attention", find_attention.run, gm, self.example_inputs)
+        analysis = step("find_attention", find_attention.run, gm, self.example_inputs, self.windows)
         params = self._params(analysis)
         kv = step("add_kv_inputs", add_kv_inputs.run, gm, params)
         step("lower_attention", lower_attention.run, gm, analysis.sites, kv)
@@ -153,6 +155,7 @@ def lower(
     prune_logits: bool = True,
     dump: Dump | None = None,
     example_inputs: Sequence[object] | None = None,
+    windows: Sequence[int | None] | None = None,
 ) -> LoweringResult:
     """Lower a Dynamo graph of a decoder (batch of one, ``[1, T]`` tokens) to a ragged KV-cache graph.
 
@@ -169,8 +172,12 @@ def lower(
         dump: ``dump(stage, gm)`` with ``"captured"`` before the passes and each pass's name after it.
         example_inputs: real tensors for ``gm``'s placeholders (what a Dynamo backend receives),
             needed to check masks that read constant buffers (nanoGPT's ``bias``).
+        windows: each site's sliding window (``None``: plain causal) from a lowering of the same
+            model's graph with a dynamic token count; a graph captured for a fixed token count
+            (Dynamo specialises ``T == 1``) takes them, as it cannot show a window wider than ``T``.
     """
     return LoweringPipeline(
         cache_strategy=cache_strategy, page_size=page_size, device=device, expected=expected, strict=strict,
         prune_logits=prune_logits, dump=dump, example_inputs=example_inputs,
+        windows=windows,
     )(gm)

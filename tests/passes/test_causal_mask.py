@@ -23,13 +23,51 @@ def windowed(window: int):
 
 def test_window_wider_than_the_fixed_sizes_is_found_one_past_its_width():
     gm = capture(TinyDecoder(windowed(20)), **model_kwargs()).fresh()
-    with pytest.raises(LoweringError, match=r"hides earlier token 0 from token 20 .*at 21 tokens"):
-        find_attention.run(gm)
+    sites = find_attention.run(gm).sites
+    assert [s.sliding_window for s in sites] == [20, 20]
+    assert sites[0].mask == "mask proven causal within a sliding window of 20 tokens at 5 token counts up to 21"
 
 
 def test_window_beyond_the_checkable_size_is_refused():
-    gm = capture(TinyDecoder(windowed(5000)), **model_kwargs()).fresh()
-    with pytest.raises(LoweringError, match=f"size 5000 .*beyond the {MAX_CHECK_TOKENS} tokens"):
+    gm = capture(TinyDecoder(windowed(10_000)), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=f"size 10000 .*beyond the {MAX_CHECK_TOKENS} tokens"):
+        find_attention.run(gm)
+
+
+def growing_window(q, k, v):
+    """A band whose width depends on the token count: no one window."""
+    T = q.shape[2]
+    i = torch.arange(T)
+    mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < (T + 1) // 2)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+
+
+def windows_per_head(q, k, v):
+    """Head 0 sees 2 tokens, the others everything before them: not one window for the site."""
+    T = q.shape[2]
+    i = torch.arange(T)
+    causal = i[:, None] >= i[None, :]
+    near = causal & (i[:, None] - i[None, :] < 2)
+    mask = torch.stack([near] + [causal] * (q.shape[1] - 1))[None]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+
+
+def gap_in_the_band(q, k, v):
+    """Token i sees i and i - 2 but not i - 1: hidden tokens that no window explains."""
+    i = torch.arange(q.shape[2])
+    d = i[:, None] - i[None, :]
+    mask = (d == 0) | (d == 2)
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+
+
+@pytest.mark.parametrize(("attn", "message"), [
+    (growing_window, r"sliding window of 1 tokens at 2 tokens, but a window of 2 tokens at 3 tokens"),
+    (windows_per_head, r"differs between heads or batch rows: windows \[2, None\]"),
+    (gap_in_the_band, r"shows earlier token 0 to token 2 but hides nearer ones, which no sliding window does"),
+], ids=["growing", "per_head", "gap"])
+def test_masks_that_are_no_one_window_are_refused(attn, message):
+    gm = capture(TinyDecoder(attn), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=message):
         find_attention.run(gm)
 
 

@@ -16,6 +16,7 @@ from lowering_helpers import (
     capture,
     eager_last_logits,
     hf_kwargs,
+    lowered_ops,
     model_kwargs,
     run_step,
     tiny_llama,
@@ -115,13 +116,45 @@ def test_mask_only_nodes_are_the_mask_subgraph(llama_sdpa):
     assert rope and not set(rope) & analysis.mask_nodes
 
 
-# -- attention forms that must be refused --
-def sliding_window(q, k, v):
+def sdpa_sliding_window(q, k, v):
     i = torch.arange(q.shape[2])
     mask = causal_bool(q.shape[2]) & (i[:, None] - i[None, :] < 3)
     return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
 
 
+def explicit_sliding_window(q, k, v):
+    i = torch.arange(q.shape[2])
+    scores = q @ repeat_kv(k, 2).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~causal_bool(q.shape[2]), float("-inf"))
+    scores = scores.masked_fill(i[:, None] - i[None, :] >= 3, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ repeat_kv(v, 2)
+
+
+def steps_against_eager(cap, result, chunks: list[list[list[int]]]) -> None:
+    """Run ``chunks`` (per step, the new tokens of each sequence) over one cache; each step's
+    logits must be eager's for the whole sequence so far."""
+    cache = RaggedCache(result.params, batch=len(chunks[0]), max_len=32)
+    seen = [[] for _ in chunks[0]]
+    for step in chunks:
+        logits = run_step(result.gm, cap, cache, step)
+        for b, new in enumerate(step):
+            seen[b] += new
+            torch.testing.assert_close(logits[0, b], eager_last_logits(cap.model, seen[b]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn", [sdpa_sliding_window, explicit_sliding_window], ids=lambda f: f.__name__)
+def test_sliding_window_lowers_with_its_width_and_matches_eager_past_it(attn):
+    cap = capture(TinyDecoder(attn), **model_kwargs())
+    result = lower(cap.fresh())
+    assert [s.sliding_window for s in result.sites] == [3, 3]
+    [call] = {tuple(n.args[-1:]) for n in lowered_ops(result.gm)}
+    assert call == (3,)  # the op carries the window
+    # a prefill longer than the window, then chunks and single tokens that read the cache past it
+    steps_against_eager(cap, result, [[[3, 5, 7, 11, 2], [13, 17]], [[19], [23, 29, 31, 37]], [[41, 43], [47]],
+                                      [[53], [59]]])
+
+
+# -- attention forms that must be refused --
 def alibi(q, k, v):
     i = torch.arange(q.shape[2])
     bias = -0.5 * (i[:, None] - i[None, :]).float()
@@ -148,7 +181,6 @@ def training_dropout(q, k, v):
 
 
 REFUSED = {
-    sliding_window: r"hides earlier token 0 from token 3 \(a sliding window",
     alibi: r"adds the bias -0.5 to the score of token 1 for token 0 \(ALiBi",
     bidirectional: "is_causal=False without an attn_mask",
     explicit_without_mask: "no mask between the scores and softmax",
@@ -197,17 +229,18 @@ def test_padding_mask_input_is_refused():
         find_attention.run(cap.fresh())
 
 
-def test_hf_sliding_window_is_refused_and_left_unchanged():
+@pytest.mark.parametrize("window", [4, 4096])
+def test_hf_sliding_window_lowers_with_the_models_width(window):
+    """Mistral's mask (HF's own mask functions) is a window of ``sliding_window`` tokens; the
+    default 4096 is checked at 4097 tokens."""
     model = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")).eval()
-    gm = capture(model, **hf_kwargs()).fresh()
-    code = gm.code
-    with pytest.raises(LoweringError, match=r"attn_output.*hides earlier token 0 from token 4"):
-        lower(gm)
-    result = lower(gm, strict=False)
-    assert not result.lowered and "sliding window" in result.reason
-    assert gm.code == code
+        num_key_value_heads=2, sliding_window=window, attn_implementation="sdpa")).eval()
+    cap = capture(model, **hf_kwargs())
+    result = lower(cap.fresh())
+    assert [s.sliding_window for s in result.sites] == [window]
+    assert result.sites[0].mask.endswith(f"up to {max(window + 1, 8)}")
+    steps_against_eager(cap, result, [[[3, 5, 7, 11, 2, 9], [13, 17]], [[19], [23, 29, 31]], [[41], [47]]])
 
 
 def test_static_capture_lowers_for_its_token_count():
@@ -235,7 +268,8 @@ def test_static_capture_of_a_causal_buffer_lowers():
 
 
 def test_static_capture_of_a_banded_buffer_is_refused():
-    """A window of 10 does not show at the 7 tokens a static graph can be evaluated at: the buffer tells."""
+    """A window of 10 does not show at the 7 tokens a static graph can be evaluated at: the buffer
+    tells; captured with a dynamic token count, the window is found and lowered."""
     model = NanoGPT(VOCAB)
     for block in model.h:
         block.attn.bias.copy_(block.attn.bias * torch.ones_like(block.attn.bias).triu(-9))
@@ -243,8 +277,35 @@ def test_static_capture_of_a_banded_buffer_is_refused():
     with pytest.raises(LoweringError, match="captured for exactly 7 tokens.*size 32.*dynamic=True"):
         find_attention.run(cap.fresh(), cap.example_inputs)
     dynamic = capture(model, **model_kwargs(7))
-    with pytest.raises(LoweringError, match="hides earlier token 0 from token 10"):
-        find_attention.run(dynamic.fresh(), dynamic.example_inputs)
+    result = lower(dynamic.fresh(), example_inputs=dynamic.example_inputs)
+    assert [s.sliding_window for s in result.sites] == [10, 10]
+    steps_against_eager(dynamic, result, [[list(range(1, 13)), [5, 6]], [[13], [7, 8, 9, 10, 11, 12, 13, 14, 15]]])
+
+
+def test_fixed_size_graph_takes_the_windows_of_the_models_dynamic_graph():
+    """Dynamo captures T == 1 as a graph of its own: one token shows no window, so its sites take
+    the windows the several-token graph proved, and refuse without them."""
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")).eval()
+    one = capture(model, dynamic=False, **hf_kwargs(1))
+    with pytest.raises(LoweringError, match=r"exactly 1 tokens, but its mask uses the size 3 \(a sliding window\?\)"):
+        lower(one.fresh())
+    result = lower(one.fresh(), windows=[3, 3])
+    assert [s.sliding_window for s in result.sites] == [3, 3]
+    assert result.sites[0].mask.endswith("sliding window of 3 tokens from the model's graph of several tokens")
+    with pytest.raises(LoweringError, match="the graph has 2 attention sites, but the model's graph of several"):
+        lower(one.fresh(), windows=[3])
+    # decode steps over a cache filled by the several-token graph
+    several = capture(model, **hf_kwargs())
+    prefill = lower(several.fresh())
+    cache = RaggedCache(prefill.params, batch=1, max_len=32)
+    seq = [3, 5, 7, 11, 2]
+    run_step(prefill.gm, several, cache, [seq])
+    for token in (29, 31, 37):
+        logits = run_step(result.gm, one, cache, [[token]])
+        seq.append(token)
+        torch.testing.assert_close(logits[0, 0], eager_last_logits(model, seq), atol=1e-5, rtol=0)
 
 
 def test_positions_computed_inside_the_graph_are_refused():

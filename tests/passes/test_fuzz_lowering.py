@@ -4,10 +4,10 @@ Hypothesis draws small decoders whose attention is SDPA or the explicit ``matmul
 mask -> softmax -> matmul`` pattern, with GQA ratios 1/2/4 (K/V repeated by expand+reshape,
 ``repeat_interleave`` or ``enable_gqa``), the default or an explicit scale, and a causal mask
 written in one of the ways models write it (``is_causal``, a ``tril`` or additive registered
-buffer, ``triu``, an ``arange`` comparison). A supported module must lower and give eager's
-logits on a ragged, paged two-sequence batch over three steps; a module that must be refused
-(sliding window, additive bias, no mask, cross-attention, a padding mask, dropout while
-training) must raise ``LoweringError``.
+buffer, ``triu``, an ``arange`` comparison, a sliding window of 3 tokens). A supported module
+must lower and give eager's logits on a ragged, paged two-sequence batch over three steps; a
+module that must be refused (additive bias, no mask, cross-attention, a padding mask, dropout
+while training) must raise ``LoweringError``.
 
 Tracing a module with Dynamo costs about a second, so each module is captured and lowered once
 and every example also draws what it runs: prompt lengths, chunk sizes and token ids. CI's
@@ -44,8 +44,8 @@ settings.register_profile(
 )
 PROFILE = settings.get_profile(os.environ.get("KVGRAPH_FUZZ_PROFILE", "lowering-ci"))
 
-CAUSAL = ("is_causal", "tril_buffer", "additive_buffer", "triu", "arange_compare")
-REFUSED = ("sliding_window", "additive_bias", "no_mask", "cross_attention", "padding_mask", "dropout_training")
+CAUSAL = ("is_causal", "tril_buffer", "additive_buffer", "triu", "arange_compare", "sliding_window")
+REFUSED = ("additive_bias", "no_mask", "cross_attention", "padding_mask", "dropout_training")
 MAX_T = 32  # rows of the registered mask buffers
 WINDOW = 3
 SCALE = 0.37
@@ -251,6 +251,8 @@ def check(spec: Spec, run: Run) -> None:
         return
     assert not isinstance(result, LoweringError), f"a supported module was refused: {result}"
     assert len(result.sites) == spec.n_layer
+    window = WINDOW if spec.mask == "sliding_window" else None
+    assert [s.sliding_window for s in result.sites] == [window] * spec.n_layer
     assert result.params.n_kv_heads == spec.n_kv_heads  # K/V cached un-repeated
     cache = RaggedCache(result.params, batch=2, max_len=16)
     g = torch.Generator().manual_seed(run.seed)

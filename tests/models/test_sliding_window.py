@@ -1,0 +1,97 @@
+"""Hugging Face decoders with local (sliding-window) attention generate like their own ``generate``.
+
+The window is read from the model's mask, carried by each lowered site to the fused op and
+applied by the kernel over the paged or continuous cache: prompts and generations run past
+the window, and a single sequence decodes through Dynamo's ``T == 1`` graph, which takes the
+windows of the several-token graph.
+"""
+
+import pytest
+import torch
+import transformers
+from tiny_models import COMMON, VOCAB, _build, reference_greedy
+
+import kvgraph
+from kvgraph import LoweringError
+
+NEW_TOKENS = 24
+PROMPTS = [[5, 9, 17, 33, 2, 8, 1, 4, 4, 4, 70], [7, 3], [100, 3, 3, 8, 64, 1]]
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def mistral(window: int = 6):
+    return _build(transformers.MistralForCausalLM, transformers.MistralConfig(
+        **COMMON, **SIZES, sliding_window=window), seed=0)
+
+
+def qwen2_local_second_layer():
+    """Layer 0 full attention, layer 1 a window of 5 (``max_window_layers=1``)."""
+    return _build(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **COMMON, **SIZES, use_sliding_window=True, sliding_window=5, max_window_layers=1), seed=0)
+
+
+def gemma3():
+    """Gemma 3: local layers (window 4) and a global one, each with its own RoPE base."""
+    config = transformers.Gemma3TextConfig(**COMMON, **SIZES, head_dim=16, sliding_window=4,
+                                           layer_types=["sliding_attention", "full_attention"])
+    return _build(transformers.Gemma3ForCausalLM, config, seed=0)
+
+
+def windows_of(llm: kvgraph.LLM) -> list:
+    [runner] = [r for r in llm.runner.compiled.backend.runners if r.layouts][:1]
+    [lowered] = runner.layouts.values()
+    return [s.sliding_window for s in lowered.result.sites]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+@pytest.mark.parametrize(("factory", "windows"), [
+    (mistral, [6, 6]), (qwen2_local_second_layer, [None, 5]), (gemma3, [4, None]),
+], ids=["mistral", "qwen2", "gemma3"])
+def test_batched_generation_past_the_window_equals_generate(factory, windows, strategy):
+    model = factory()
+    refs = [reference_greedy(model, p, NEW_TOKENS).tokens[0] for p in PROMPTS]
+    page = {"page_size": 4} if strategy == "paged" else {}
+    llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=4, max_seq_len=64,
+                      cache_strategy=strategy, **page)
+    done = llm.generate(PROMPTS, kvgraph.SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [d.token_ids for d in done] == refs
+    assert windows_of(llm) == windows
+
+
+@pytest.mark.slow
+def test_one_sequence_decodes_through_the_one_token_graph():
+    model = mistral(window=5)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, NEW_TOKENS).tokens[0]
+    llm = kvgraph.LLM(model, compile="inductor", progress=False, max_batch_size=2, max_seq_len=64, page_size=4)
+    assert llm.generate([prompt], kvgraph.SamplingParams(max_new_tokens=NEW_TOKENS))[0].token_ids == ref
+    graphs = [r for r in llm.runner.compiled.backend.runners if r.layouts]
+    assert len(graphs) == 2  # several tokens, then T == 1 with the windows of the first
+    for runner in graphs:
+        [lowered] = runner.layouts.values()
+        assert [s.sliding_window for s in lowered.result.sites] == [5, 5]
+
+
+def test_a_one_token_first_step_asks_for_a_several_token_graph_first():
+    """With no several-token graph yet, one token cannot show the window: a clear refusal, and
+    the engine's state is left usable (warmup, then the same request, works)."""
+    model = mistral(window=5)
+    llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=64, page_size=4)
+    with pytest.raises(LoweringError, match=r"exactly 1 tokens, .*size 5 \(a sliding window\?\).*warmup"):
+        llm.generate([[9]], kvgraph.SamplingParams(max_new_tokens=3))
+    assert llm.manager.num_claimed == 0
+    llm.warmup()
+    ref = reference_greedy(model, [9], 12).tokens[0]
+    assert llm.generate([[9]], kvgraph.SamplingParams(max_new_tokens=12))[0].token_ids == ref
+
+
+def test_the_default_mistral_window_of_4096_is_proven_and_kept():
+    model = _build(transformers.MistralForCausalLM, transformers.MistralConfig(**COMMON, **SIZES), seed=0)
+    assert model.config.sliding_window == 4096
+    llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=64)
+    ref = reference_greedy(model, PROMPTS[2], 8).tokens[0]
+    assert llm.generate([PROMPTS[2], PROMPTS[1]], kvgraph.SamplingParams(max_new_tokens=8))[0].token_ids == ref
+    assert windows_of(llm) == [4096, 4096]
+    torch._dynamo.reset()
