@@ -46,23 +46,23 @@ def ragged_attention(
         max_lengths: ``int32 [num_steps, 2]`` on the CPU, row 0 ``[max new tokens, max cached + new]``.
         layer_idx: the layer of this attention.
         scale: softmax scale, ``1/sqrt(D)`` when None.
+        sliding_window: ``w >= 1`` keys each token sees, itself included; None: all before it.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype: token ``i`` of sequence ``b`` (at position
-        ``pos = cache_lengths[b] + i - input_row_offsets[b]``) attends to positions ``0..pos``.
+        ``pos = cache_lengths[b] + i - input_row_offsets[b]``) attends to positions ``0..pos``,
+        or ``max(0, pos - w + 1)..pos`` with a sliding window; the cache keeps every position.
 
     Raises:
         CacheInputError: a shape, dtype, device or layout the kernels cannot take; nothing is written.
     """
-    if sliding_window is not None:
-        raise NotImplementedError("the Triton kernels take no sliding_window yet")
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale)
+                        layer_idx, scale, sliding_window)
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
     with on_device(q):
         launch_store(k, v, cache, cache_lengths, input_row_offsets)
         if plan.max_new == 1:
-            splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_context,
+            splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_keys,
                                        multiprocessors(q.device))
-            return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, splits)
-        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale)
+            return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, splits, plan.window)
+        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale, plan.window)

@@ -33,11 +33,19 @@ class LaunchPlan:
         max_new: ``max_lengths[0, 0]``, the most new tokens of one sequence.
         max_context: ``max_lengths[0, 1]``, the most cached + new tokens of one sequence.
         scale: the softmax scale (``1/sqrt(D)`` when the caller passed None).
+        window: the keys each query sees (``sliding_window``, itself included) as the kernels
+            take it: 0 for all before it, also for a window no sequence can outgrow.
     """
 
     max_new: int
     max_context: int
     scale: float
+    window: int = 0
+
+    @property
+    def max_keys(self) -> int:
+        """The most keys one query attends: ``max_context``, or the window where shorter."""
+        return min(self.max_context, self.window) if self.window else self.max_context
 
 
 def check_launch(
@@ -51,6 +59,7 @@ def check_launch(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> LaunchPlan:
     """Check the op's arguments (see ``kvgraph.kernels.ops``) and what the Triton kernels need.
 
@@ -59,7 +68,8 @@ def check_launch(
     head_dim, contiguous ``cache_lengths`` / ``input_row_offsets``, an int ``layer_idx``, and
     ``max_lengths[0]`` consistent with the token count and within what one sequence can hold.
     """
-    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
+    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                 sliding_window)
     device = q.device
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         raise CacheInputError(
@@ -88,4 +98,6 @@ def check_launch(
         raise CacheInputError(
             f"max_lengths[0, 1] = {max_context} exceeds the {capacity} positions one sequence can hold"
         )
-    return LaunchPlan(max_new, max_context, 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale))
+    # a window no sequence can outgrow hides nothing; 0 also keeps huge windows out of the kernels' int32
+    window = 0 if sliding_window is None or sliding_window >= capacity else sliding_window
+    return LaunchPlan(max_new, max_context, 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale), window)

@@ -48,29 +48,31 @@ def decode_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """The op (same arguments, same cache writes) with flash-decoding: at most one new token per
     sequence (``max_lengths[0, 0] == 1``).
 
-    Stores the new K/V, then splits each context into ``num_splits`` shares (chosen from the
-    device and ``max_lengths[0, 1]`` when None) attended by separate programs and merged by a
-    reduction kernel. See :func:`kvgraph.kernels.triton.ragged_attention` for the other
-    arguments; returns ``[T, Hq, D]`` in ``q``'s dtype.
+    Stores the new K/V, then splits each context (its last ``sliding_window`` positions with a
+    window) into ``num_splits`` shares (chosen from the device and ``max_lengths[0, 1]``, or the
+    window where shorter, when None) attended by separate programs and merged by a reduction
+    kernel. See :func:`kvgraph.kernels.triton.ragged_attention` for the other arguments; returns
+    ``[T, Hq, D]`` in ``q``'s dtype.
     """
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale)
+                        layer_idx, scale, sliding_window)
     if q.shape[0] > 0 and plan.max_new != 1:
         raise CacheInputError(f"decode needs one new token per sequence, got max_lengths[0, 0] = {plan.max_new}")
     if num_splits is None:
-        num_splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_context,
+        num_splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_keys,
                                        multiprocessors(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise CacheInputError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
     with on_device(q):
         launch_store(k, v, cache, cache_lengths, input_row_offsets)
-        return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, num_splits)
+        return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, num_splits, plan.window)
 
 
 def launch_decode(
@@ -80,12 +82,14 @@ def launch_decode(
     input_row_offsets: torch.Tensor,
     scale: float,
     num_splits: int,
+    window: int = 0,
 ) -> torch.Tensor:
     """Launch the split and reduction kernels on validated inputs, over a cache already holding
     the new tokens.
 
     q: ``[T, Hq, D]``, at most one token per sequence; cache_lengths: ``int32 [batch]`` tokens
-    cached *before* the new one; input_row_offsets: ``int32 [batch + 1]``. Returns ``[T, Hq, D]``.
+    cached *before* the new one; input_row_offsets: ``int32 [batch + 1]``; window: keys each
+    token sees, 0 for all before it (:attr:`LaunchPlan.window`). Returns ``[T, Hq, D]``.
     """
     num_tokens, n_heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -103,7 +107,7 @@ def launch_decode(
     decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, part_acc, part_max, part_sum, *cache.kernel_args(), cache_lengths, input_row_offsets,
         q.stride(0), q.stride(1), *part_acc.stride()[:3], *part_max.stride()[:2],
-        num_splits, scale * math.log2(math.e),
+        num_splits, scale * math.log2(math.e), window,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         BLOCK_H=max(MIN_DOT, next_power_of_2(group)), PAGE_SIZE=cache.page_size,
         DOT_PRECISION=dot_precision(q.dtype),

@@ -9,22 +9,23 @@ import triton
 import triton.language as tl
 
 from kvgraph.kernels.triton.configs import DECODE_KEY, decode_configs, prune_decode
-from kvgraph.kernels.triton.tile_kernel import attend_tile
+from kvgraph.kernels.triton.tile_kernel import attend_tile, window_start
 
 
 @triton.autotune(configs=decode_configs(), key=DECODE_KEY, prune_configs_by={"early_config_prune": prune_decode})
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled variant whatever the window
 def decode_split_kernel(
     Q, PartAcc, PartMax, PartSum,
     Cache, Lookup, stride_lut_b, stride_lut_p, stride_page, stride_kv, stride_row, stride_head,
     CacheLengths, RowOffsets,
     stride_qt, stride_qh, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
-    num_splits, qk_scale,
+    num_splits, qk_scale, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (sequence, KV head, split): attention of the sequence's query, for every query head
-    of the KV head, over one contiguous share of its positions.
+    of the KV head, over one contiguous share of the positions it sees: all of them, or its
+    last ``window`` when ``window > 0`` (a sliding window).
 
     Q: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the new
     token. PartAcc: fp32 [T, Hq, num_splits, HEAD_DIM_PAD] un-normalised outputs; PartMax,
@@ -39,10 +40,12 @@ def decode_split_kernel(
     if n_new == 0:
         return
     seq_len = tl.load(CacheLengths + b) + n_new
+    first = window_start(seq_len - 1, window)  # the query's first visible position
 
-    # -- this split's positions: [lo, hi), a whole number of BLOCK_N tiles --
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    # -- this split's positions: [lo, hi), a whole number of BLOCK_N tiles from the first visible
+    # one, so keys before a sliding window are neither read nor masked --
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     # -- load the queries of the group: [BLOCK_H, HEAD_DIM_PAD] --
@@ -63,7 +66,7 @@ def decode_split_kernel(
     lut = Lookup + b * stride_lut_b
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, K, V, lut, start_n, hi,
+            acc, m_i, l_i, q, q_pos, q_pos, K, V, lut, start_n, hi,
             stride_lut_p, stride_page, stride_row, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
         )

@@ -24,19 +24,21 @@ def prefill_attention(
     max_lengths: torch.Tensor,
     layer_idx: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The op (same arguments, same cache writes) with the prefill kernel, whatever the batch.
 
     Stores the new K/V, then tiles of new tokens of each sequence attend causally to their
-    new tokens and fully to the cached prefix. See :func:`kvgraph.kernels.triton.ragged_attention`
-    for the arguments; returns ``[T, Hq, D]`` in ``q``'s dtype.
+    new tokens and fully to the cached prefix (to its last ``sliding_window`` positions with a
+    window). See :func:`kvgraph.kernels.triton.ragged_attention` for the arguments; returns
+    ``[T, Hq, D]`` in ``q``'s dtype.
     """
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale)
+                        layer_idx, scale, sliding_window)
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
     with on_device(q):
         launch_store(k, v, cache, cache_lengths, input_row_offsets)
-        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale)
+        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale, plan.window)
 
 
 def launch_prefill(
@@ -45,11 +47,13 @@ def launch_prefill(
     cache_lengths: torch.Tensor,
     input_row_offsets: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Launch :func:`prefill_kernel` on validated inputs, over a cache already holding the new tokens.
 
     q: ``[T, Hq, D]``; cache_lengths: ``int32 [batch]`` tokens cached *before* the new ones;
-    input_row_offsets: ``int32 [batch + 1]``. Returns ``[T, Hq, D]`` in q's dtype.
+    input_row_offsets: ``int32 [batch + 1]``; window: keys each token sees, 0 for all before it
+    (:attr:`LaunchPlan.window`). Returns ``[T, Hq, D]`` in q's dtype.
     """
     num_tokens, n_heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -65,7 +69,7 @@ def launch_prefill(
     prefill_kernel[grid](
         q, out, *cache.kernel_args(), cache_lengths, input_row_offsets,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        batch, scale * math.log2(math.e),
+        batch, scale * math.log2(math.e), window,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
         GROUP=group, GROUP_PAD=next_power_of_2(group), PAGE_SIZE=cache.page_size,
         DOT_PRECISION=dot_precision(q.dtype),

@@ -4,22 +4,23 @@ import triton
 import triton.language as tl
 
 from kvgraph.kernels.triton.configs import PREFILL_KEY, prefill_configs, prune_prefill
-from kvgraph.kernels.triton.tile_kernel import attend_tile, locate_block
+from kvgraph.kernels.triton.tile_kernel import attend_tile, locate_block, window_start
 
 
 @triton.autotune(configs=prefill_configs(), key=PREFILL_KEY, prune_configs_by={"early_config_prune": prune_prefill})
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one compiled variant whatever the window
 def prefill_kernel(
     Q, Out,
     Cache, Lookup, stride_lut_b, stride_lut_p, stride_page, stride_kv, stride_row, stride_head,
     CacheLengths, RowOffsets,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    batch, qk_scale,
+    batch, qk_scale, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (block of BLOCK_Q new tokens of one sequence, KV head): causal attention of the
-    block's queries of every query head of that KV head over the sequence's cache.
+    block's queries of every query head of that KV head over the sequence's cache, each query
+    over its last ``window`` positions only when ``window > 0`` (a sliding window).
 
     Q, Out: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the
     new tokens. Tile rows are (token, query head of the group) pairs, so each K/V tile is loaded
@@ -39,7 +40,10 @@ def prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     tok = q0 + offs_m // GROUP_PAD  # [BLOCK_M] token index within the sequence
     grp = offs_m % GROUP_PAD  # [BLOCK_M] query head within the group
-    q_pos = cached + tok  # [BLOCK_M] position of each row in the sequence
+    # [BLOCK_M] last and first position each row sees; rows past the new tokens (never stored)
+    # take the last token's, so that every row sees a key
+    q_pos = cached + tl.minimum(tok, n_new - 1)
+    q_first = window_start(q_pos, window)
     head = kv_head * GROUP + grp
     mask = ((tok < n_new) & (grp < GROUP))[:, None] & (offs_d < HEAD_DIM)[None, :]
     tok_row = (start + tok).to(tl.int64)
@@ -52,19 +56,31 @@ def prefill_kernel(
     V = K + stride_kv
     lut = Lookup + b * stride_lut_b
 
-    # -- phase 1: whole tiles before the block's first position, visible to every row --
+    # -- key tiles: row r sees [q_first[r], q_pos[r]], both growing with the token, so the block
+    # reads from the tile of its first token's window start to its last token (kv_end - 1) --
+    kv_end = cached + tl.minimum(q0 + BLOCK_Q, n_new)
+    kv_start = window_start(cached + q0, window) // BLOCK_N * BLOCK_N  # no tile before it is seen
     full_end = (cached + q0 + 1) // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    full_start = tl.minimum(tl.cdiv(window_start(kv_end - 1, window), BLOCK_N) * BLOCK_N, full_end)
+
+    # -- phase 1: the window's leading edge, tiles that some rows' windows start after (masked) --
+    for start_n in range(kv_start, full_start, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, K, V, lut, start_n, full_end,
+            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_start,
+            stride_lut_p, stride_page, stride_row, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    # -- phase 2: whole tiles inside every row's window and before the block's first position --
+    for start_n in range(full_start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_end,
             stride_lut_p, stride_page, stride_row, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
         )
-    # -- phase 2: the diagonal, up to the block's last new token, causally masked --
-    kv_end = cached + tl.minimum(q0 + BLOCK_Q, n_new)
+    # -- phase 3: the diagonal, up to the block's last new token, causally (and window) masked --
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, K, V, lut, start_n, kv_end,
+            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, kv_end,
             stride_lut_p, stride_page, stride_row, qk_scale,
             HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
         )

@@ -5,6 +5,7 @@
   so ``T // BLOCK + batch`` programs cover any ragged batch (surplus programs exit).
 - :func:`lookup_pages` / :func:`kv_rows` turn positions of one sequence into cache offsets
   through the lookup table.
+- :func:`window_start` is the first position a query sees under a sliding window.
 - :func:`attend_tile` is one step of the online softmax over a tile of cached keys/values.
 """
 
@@ -52,18 +53,26 @@ def kv_rows(page, pos, stride_page, stride_row, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def window_start(pos, window):
+    """First position seen by a query at ``pos`` (scalar or tensor): ``max(0, pos - window + 1)``
+    with a sliding window of ``window`` keys, 0 without one (``window == 0``)."""
+    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
 def attend_tile(
-    acc, m_i, l_i, q, q_pos,
+    acc, m_i, l_i, q, q_first, q_pos,
     K, V, Lookup, start_n, kv_end,
     stride_lut_p, stride_page, stride_row, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
 
     acc: [M, HEAD_DIM_PAD] fp32 un-normalised output; m_i, l_i: [M] fp32 running max (log2
-    units) and sum; q: [M, HEAD_DIM_PAD] in the cache dtype; q_pos: [M] int32 position of each
-    query row, used when ``CAUSAL`` (keys after a row's own position are masked).
+    units) and sum; q: [M, HEAD_DIM_PAD] in the cache dtype; q_first, q_pos: [M] int32 first and
+    last position each query row sees, used when ``MASKED`` (keys outside ``[q_first, q_pos]``
+    are masked; a row that has seen no key yet keeps max -inf and sum 0).
     ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0.
     ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
     """
@@ -77,16 +86,21 @@ def attend_tile(
     # -- load K tile transposed: [HEAD_DIM_PAD, BLOCK_N] --
     k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
-    if CAUSAL:
-        visible = kv_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    if MASKED:
+        visible = kv_valid[None, :] & (offs_n[None, :] >= q_first[:, None]) & (offs_n[None, :] <= q_pos[:, None])
     else:
         visible = kv_valid[None, :]
     s = tl.where(visible, s, float("-inf"))
 
     # -- online softmax update --
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MASKED:
+        # rows with no visible key so far subtract 0, not -inf, so that they stay (-inf, 0), not NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     # -- load V tile: [BLOCK_N, HEAD_DIM_PAD] and accumulate --

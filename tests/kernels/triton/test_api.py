@@ -3,7 +3,7 @@ of a generation; on CUDA, a Hugging Face Llama through ``kvgraph.compile`` keeps
 
 import pytest
 import torch
-from triton_cases import DEVICE, gpu, reference_output
+from triton_cases import DEVICE, gpu, reference_output, windowed_golden
 
 import kvgraph.kernels.triton.api as api
 from kvgraph.kernels.triton import ragged_attention
@@ -41,6 +41,16 @@ def test_dispatches_on_max_new_tokens(make_kv_case, check_against_golden, launch
     ref = reference_output(case)
     check_against_golden(ragged_attention(*case.args()), case.golden(), ref)
     assert launches == [kernel]
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_sliding_window_every_batch_shape(make_kv_case, check_against_golden, ragged_lengths, window):
+    case = make_kv_case(ragged_lengths, device=DEVICE)
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, sliding_window=window)
+    out = ragged_attention(*case.args(), sliding_window=window)
+    check_against_golden(out, windowed_golden(case, window), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
 
 
 def test_a_step_without_new_tokens_returns_an_empty_output(make_kv_case):
@@ -89,6 +99,21 @@ def test_steps_of_a_generation_read_what_earlier_steps_wrote(make_kv_case, check
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
 
 
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_steps_of_a_generation_with_a_sliding_window(make_kv_case, check_against_golden, launches, window):
+    # the cache keeps every token, each step sees only the window: a step's output equals the rows
+    # of the same tokens attended in one single step under the same window
+    case = make_kv_case([(0, 14), (0, 9)], device=DEVICE)
+    before = case.kv_blocks.clone()
+    ref, gold = reference_output(case, sliding_window=window), windowed_golden(case, window)
+    schedule = [[(0, 9), (0, 5)], [(9, 1), (5, 1)], [(10, 1), (6, 3)], [(11, 1), (9, 0)], [(12, 2), (9, 0)]]
+    for chunks in schedule:
+        rows, args = _step(case, chunks)
+        check_against_golden(ragged_attention(*args, sliding_window=window), gold[rows.cpu()], ref[rows])
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+    assert launches == ["prefill", "decode", "prefill", "decode", "prefill"]
+
+
 @gpu
 def test_the_op_on_cuda_runs_these_kernels(make_kv_case, check_against_golden, launches):
     case = make_kv_case([(20, 1), (0, 17), (7, 9)], head_dim=128, device="cuda")
@@ -96,6 +121,18 @@ def test_the_op_on_cuda_runs_these_kernels(make_kv_case, check_against_golden, l
     ref = reference_output(case, scale=0.2)
     out = torch.ops.kvgraph.ragged_attention(*case.args(), scale=0.2)
     check_against_golden(out, case.golden(0.2), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+    assert launches == ["prefill"]
+
+
+@gpu
+@pytest.mark.parametrize("window", [1, 16, 100])
+def test_the_op_on_cuda_with_a_sliding_window(make_kv_case, check_against_golden, launches, window):
+    case = make_kv_case([(200, 1), (0, 170), (77, 90)], head_dim=128, device="cuda")
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, sliding_window=window)
+    out = torch.ops.kvgraph.ragged_attention(*case.args(), sliding_window=window)
+    check_against_golden(out, windowed_golden(case, window), ref)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
     assert launches == ["prefill"]
 

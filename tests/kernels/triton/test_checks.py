@@ -64,3 +64,23 @@ def test_default_scale_is_inverse_sqrt_head_dim(make_kv_case):
     case = make_kv_case([(1, 2)], head_dim=64, device=DEVICE)
     assert checks.check_launch(*case.args()).scale == pytest.approx(0.125)
     assert checks.check_launch(*case.args(), scale=0.5).scale == 0.5
+
+
+@pytest.mark.parametrize("window", [0, -3, True, 2.5])
+def test_sliding_window_must_be_a_positive_int(make_kv_case, window):
+    case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
+    before = case.kv_blocks.clone()
+    with pytest.raises(CacheInputError, match="sliding_window must be a positive int"):
+        checks.check_launch(*case.args(), sliding_window=window)
+    with pytest.raises(CacheInputError, match="sliding_window must be a positive int"):
+        ragged_attention(*case.args(), sliding_window=window)
+    assert torch.equal(case.kv_blocks, before)
+
+
+def test_sliding_window_as_the_kernels_take_it(make_kv_case):
+    # 16-token pages, lookup table of 2 columns: a window of 32 or more hides nothing (0)
+    case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
+    plans = {w: checks.check_launch(*case.args(), sliding_window=w) for w in (None, 1, 5, 31, 32, 10**12)}
+    assert {w: p.window for w, p in plans.items()} == {None: 0, 1: 1, 5: 5, 31: 31, 32: 0, 10**12: 0}
+    # keys one query attends, which sizes the decode splits: the longest context 11, or the window
+    assert {w: p.max_keys for w, p in plans.items()} == {None: 11, 1: 1, 5: 5, 31: 11, 32: 11, 10**12: 11}

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from triton_cases import BF16, DEVICE, gpu, reference_output
+from triton_cases import BF16, DEVICE, gpu, hide_before, reference_output, windowed_golden
 
+import kvgraph.kernels.triton.decode as decode
 from kvgraph.errors import CacheInputError
 from kvgraph.kernels.triton import decode_attention
 from kvgraph.kernels.triton.decode import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
@@ -56,6 +57,55 @@ def test_decode_scale_argument(make_kv_case, check_against_golden):
     assert not torch.allclose(scaled, decode_attention(*case.args(), num_splits=2), atol=1e-3)
 
 
+def _check_window(case, check_against_golden, window, num_splits):
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, sliding_window=window)
+    out = decode_attention(*case.args(), sliding_window=window, num_splits=num_splits)
+    check_against_golden(out, windowed_golden(case, window), ref)
+    torch.testing.assert_close(case.kv_blocks, case.expected_blocks(before), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+# windows of one key, of a few, unaligned to pages and tiles, larger than every context (120 <
+# the 128 positions the lookup table holds), larger than the cache; splits of a short window
+# left empty (3 keys, 7 splits)
+@pytest.mark.parametrize(
+    "window, num_splits, page_size",
+    [(1, 1, 16), (1, 4, 1), (3, 7, 16), (21, 2, None), (21, 3, 16), (50, 7, 1), (120, 3, 16), (10**9, 2, 16)],
+)
+def test_decode_sliding_window_matches_golden(make_kv_case, check_against_golden, window, num_splits, page_size):
+    case = make_kv_case(DECODE, n_heads=4, n_kv_heads=2, head_dim=32, page_size=page_size, device=DEVICE)
+    _check_window(case, check_against_golden, window, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sliding_window_reads_only_the_window(make_kv_case, check_against_golden, num_splits):
+    # every position before a sequence's window is NaN: reading one poisons the output
+    window = 20
+    case = make_kv_case(DECODE, head_dim=32, page_size=16, device=DEVICE)
+    ref, gold = reference_output(case, sliding_window=window), windowed_golden(case, window)
+    hide_before(case, [max(0, cached + new - window) for cached, new in DECODE])
+    out = decode_attention(*case.args(), sliding_window=window, num_splits=num_splits)
+    check_against_golden(out, gold, ref)
+
+
+def test_decode_sliding_window_differs_from_causal(make_kv_case, check_against_golden):
+    case = make_kv_case([(40, 1)], head_dim=32, device=DEVICE)
+    windowed = _check_window(case.clone(), check_against_golden, 7, num_splits=2)
+    assert not torch.allclose(windowed, decode_attention(*case.args(), num_splits=2), atol=1e-3)
+
+
+def test_decode_splits_only_the_window(make_kv_case, monkeypatch):
+    # with no split count given, a long context under a short window is sized by the window
+    monkeypatch.setattr(decode, "multiprocessors", lambda device: 132)
+    seen = []
+    monkeypatch.setattr(decode, "launch_decode", lambda *args: seen.append(args[5]))
+    case = make_kv_case([(4 * MIN_SPLIT_TOKENS, 1)], device=DEVICE)
+    decode_attention(*case.args())
+    decode_attention(*case.args(), sliding_window=MIN_SPLIT_TOKENS)
+    assert seen == [5, 1]
+
+
 def test_decode_rejects_a_prefill_batch_and_leaves_cache_unchanged(make_kv_case):
     case = make_kv_case([(3, 2), (4, 1)], device=DEVICE)
     before = case.kv_blocks.clone()
@@ -88,3 +138,14 @@ def test_decode_long_context_cuda(make_kv_case, check_against_golden, head_dim, 
     case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=head_dim, page_size=page_size,
                         dtype=dtype, device="cuda")
     _check(case, check_against_golden, num_splits=None)
+
+
+@gpu
+@pytest.mark.parametrize("window", [1, 100, 4096, 20000])
+@pytest.mark.parametrize("page_size", [1, 16, 256, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_sliding_window_long_context_cuda(make_kv_case, check_against_golden, window, page_size, dtype):
+    lengths = [(32 * 1024 - 1, 1), (5000, 1), (0, 1), (255, 1)]
+    case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
+                        dtype=dtype, device="cuda")
+    _check_window(case, check_against_golden, window, num_splits=None)

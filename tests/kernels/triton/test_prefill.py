@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from triton_cases import BF16, DEVICE, gpu, reference_output
+from triton_cases import BF16, DEVICE, gpu, hide_before, reference_output, windowed_golden
 
 from kvgraph.kernels.triton import prefill_attention
+from kvgraph.kernels.triton.configs import prefill_configs
 
 # empty cache, long prompt over a cached prefix, page exactly full, one token, no new token,
 # prefixes ending one and two positions before a 16-key tile boundary
@@ -54,6 +55,47 @@ def test_prefill_never_reads_rows_outside_the_sequences(make_kv_case, check_agai
     _check(case, check_against_golden)
 
 
+def _check_window(case, check_against_golden, window, scale=None):
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, scale, window)
+    out = prefill_attention(*case.args(), scale=scale, sliding_window=window)
+    check_against_golden(out, windowed_golden(case, window, scale), ref)
+    torch.testing.assert_close(case.kv_blocks, case.expected_blocks(before), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+# windows of one key, of a few, unaligned to pages and tiles (21, over a 16-token block), larger
+# than every context (120 < the 128 positions the lookup table holds), larger than the cache
+@pytest.mark.parametrize(
+    "window, page_size, n_heads, n_kv_heads",
+    [(1, 16, 4, 2), (3, 1, 4, 4), (21, 16, 6, 2), (21, None, 8, 1), (120, 16, 4, 2), (10**9, 128, 4, 2)],
+)
+def test_prefill_sliding_window_matches_golden(make_kv_case, check_against_golden, window, page_size,
+                                               n_heads, n_kv_heads):
+    case = make_kv_case(MIXED, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=32, page_size=page_size,
+                        device=DEVICE)
+    _check_window(case, check_against_golden, window)
+
+
+def test_prefill_sliding_window_differs_from_causal(make_kv_case, check_against_golden):
+    case = make_kv_case([(30, 20)], head_dim=32, device=DEVICE)
+    windowed = _check_window(case.clone(), check_against_golden, 5, scale=0.3)
+    assert not torch.allclose(windowed, prefill_attention(*case.args(), scale=0.3), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [3, 40])
+def test_prefill_sliding_window_skips_tiles_before_it(make_kv_case, check_against_golden, window):
+    # positions in key tiles wholly before a sequence's first window start are NaN: reading any
+    # poisons the output. The largest key tile bounds them for whichever tile autotuning picks
+    lengths = [(150, 20), (70, 33), (0, 17)]
+    case = make_kv_case(lengths, head_dim=32, page_size=16, device=DEVICE)
+    ref, gold = reference_output(case, sliding_window=window), windowed_golden(case, window)
+    tile = max(c.kwargs["BLOCK_N"] for c in prefill_configs())
+    hide_before(case, [max(0, cached - window + 1) // tile * tile for cached, _ in lengths])
+    out = prefill_attention(*case.args(), sliding_window=window)
+    check_against_golden(out, gold, ref)
+
+
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
@@ -64,3 +106,14 @@ def test_prefill_large_cuda(make_kv_case, check_against_golden, head_dim, page_s
     case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=head_dim, page_size=page_size,
                         dtype=dtype, device="cuda")
     _check(case, check_against_golden)
+
+
+@gpu
+@pytest.mark.parametrize("window", [1, 100, 1000, 4096])
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_prefill_sliding_window_large_cuda(make_kv_case, check_against_golden, window, page_size, dtype):
+    lengths = [(0, 1024), (4000, 512), (777, 1), (2047, 129), (8191, 300)]
+    case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
+                        dtype=dtype, device="cuda")
+    _check_window(case, check_against_golden, window)

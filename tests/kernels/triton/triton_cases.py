@@ -27,6 +27,21 @@ def gpu(test):
     return pytest.mark.gpu(_needs_compiled_cuda(test))
 
 
-def reference_output(case, scale: float | None = None) -> torch.Tensor:
+def reference_output(case, scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The PyTorch reference of the op on a copy of ``case``'s cache: ``[T, Hq, D]``."""
-    return reference.ragged_attention(*case.clone().args(), scale=scale)
+    return reference.ragged_attention(*case.clone().args(), scale=scale, sliding_window=sliding_window)
+
+
+def windowed_golden(case, sliding_window: int | None, scale: float | None = None) -> torch.Tensor:
+    """``case``'s float64 golden with a sliding window of ``sliding_window`` keys: ``[T, Hq, D]``."""
+    return reference.naive_attention_fp64(case.q, case.k, case.v, case.k_cached, case.v_cached,
+                                          case.input_row_offsets, scale, sliding_window=sliding_window)
+
+
+def hide_before(case, first: list[int]) -> None:
+    """Overwrite the K/V rows of positions ``0 .. first[b] - 1`` of each sequence ``b`` with NaN,
+    in ``case``'s cache: a kernel that reads one of them returns NaN."""
+    for b, n in enumerate(first):
+        for pos in range(n):
+            block, row = case.location(b, pos)
+            case.kv_blocks[block, :, case.layer_idx, row] = float("nan")
