@@ -161,7 +161,8 @@ def ragged_attention(
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place, contiguous);
         cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``.
+        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
+        sliding_window: keys each token sees, itself included (``None``: all before it).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, accumulated in float32 (float64 for float64 inputs).
@@ -171,13 +172,9 @@ def ragged_attention(
 
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
                  sliding_window)
-    if sliding_window is not None:
-        from kvgraph.kernels import cpu
-
-        return cpu.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                                    layer_idx, scale, sliding_window)
     kernel = _kernel()
     try:
-        return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale)
+        return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                      sliding_window)
     except ValueError as e:
         raise CacheInputError(str(e)) from None

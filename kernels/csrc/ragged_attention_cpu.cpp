@@ -15,6 +15,9 @@
 // item are (new token, query head of the group), so GQA reads each K/V row once per group and
 // never repeats K/V. Softmax is online in fp32 (fp64 for fp64 inputs), K/V tiles never cross a
 // page, and no sequence is padded to the longest one.
+// Sliding window w: the token at position p sees only [max(0, p - w + 1), p]. An item's keys start
+// at its first token's window start, so tiles and pages wholly before it are never read; a later
+// token's window starts at most kQueryBlock - 1 keys further, masked in the tile that holds it.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -33,6 +36,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -45,8 +49,14 @@ constexpr int64_t kQueryBlock = 16;  // new tokens per work item
 constexpr int64_t kKeyTile = 64;     // keys per tile
 constexpr int64_t kGatherRows = 16;  // fp32 items with fewer rows read short pages in place
 
+// No sliding window: a window longer than any context, so plain causal attention.
+constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
+
 template <typename scalar_t>
 using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// First position the token at position p sees (p - window + 1 does not overflow: p >= 0).
+inline int64_t window_start(int64_t p, int64_t window) { return std::max<int64_t>(0, p - window + 1); }
 
 // Where one (sequence, position) of one layer lives in kv_blocks.
 struct Geometry {
@@ -293,19 +303,20 @@ struct WorkItem {
   int64_t b, s0, s1;  // sequence, its new tokens [s0, s1)
 };
 
-// One new token: rows are the G query heads of kv head h. Softmax in two passes over the whole
-// context (every score first, then one max and one exp pass, then V), so nothing is rescaled per
-// tile: a decode step's per-tile work is just the dot products and the V accumulation.
+// One new token: rows are the G query heads of kv head h, all seeing positions [kv_begin, kv_end).
+// Softmax in two passes over the whole context (every score first, then one max and one exp pass,
+// then V), so nothing is rescaled per tile: a decode step's per-tile work is just the dot products
+// and the V accumulation.
 template <typename scalar_t, typename A>
 void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& scores, A* kf, A* vf,
                       const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b,
-                      int64_t h, int64_t layer, int64_t n_ctx) {
+                      int64_t h, int64_t layer, int64_t kv_begin, int64_t kv_end) {
   constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
-  const int64_t D = g.d;
+  const int64_t D = g.d, n_ctx = kv_end - kv_begin;
   if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
   // runs of consecutive positions in one page (at most kKeyTile when converting into kf / vf)
   auto run_end = [&](int64_t pos) {
-    return std::min({n_ctx, g.page_end(pos), kConvert ? pos + kKeyTile : n_ctx});
+    return std::min({kv_end, g.page_end(pos), kConvert ? pos + kKeyTile : kv_end});
   };
   auto rows_of = [&](int64_t pos, int64_t n, int64_t kv, A* buf, int64_t& ld) -> const A* {
     const scalar_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
@@ -318,12 +329,13 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       return src;
     }
   };
-  // -- pass 1: every score, page by page --
-  for (int64_t pos = 0; pos < n_ctx;) {
+  // -- pass 1: every score, page by page (scores[r * n_ctx + j] is position kv_begin + j) --
+  for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
     int64_t ld;
     const A* kt = rows_of(pos, n, 0, kf, ld);
-    for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, scores.data() + r * n_ctx + pos);
+    A* const sc = scores.data() + pos - kv_begin;
+    for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
     pos += n;
   }
   // -- pass 2: softmax numerators and their sums --
@@ -332,24 +344,27 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     l[r] = exp_and_sum(sr, max_of(sr, n_ctx), n_ctx);
   }
   // -- pass 3: acc = sum_j p_j v_j, page by page --
-  for (int64_t pos = 0; pos < n_ctx;) {
+  for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
     int64_t ld;
     const A* vt = rows_of(pos, n, 1, vf, ld);
-    for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * D, A(1), scores.data() + r * n_ctx + pos, vt, ld, D, n);
+    const A* const sc = scores.data() + pos - kv_begin;
+    for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * D, A(1), sc + r * n_ctx, vt, ld, D, n);
     pos += n;
   }
 }
 
 // Several new tokens: rows are (token s0 + r / G, query head of the group). Flash-style online
-// softmax over tiles of up to kKeyTile keys; a row skips the tiles past its causal limit.
+// softmax over tiles of up to kKeyTile keys of [kv_begin, kv_end); a row skips the tiles past its
+// causal limit or before its window, and masks the keys before its window in the tile across it.
 template <typename scalar_t, typename A>
 void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* scores, A* kf, A* vf,
                   const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b, int64_t h,
-                  int64_t layer, int64_t cached, int64_t s0, int64_t kv_end) {
+                  int64_t layer, int64_t cached, int64_t s0, int64_t kv_begin, int64_t kv_end,
+                  int64_t window) {
   constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
   const int64_t D = g.d;
-  for (int64_t pos = 0; pos < kv_end;) {
+  for (int64_t pos = kv_begin; pos < kv_end;) {
     // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
     //    the item has few rows or the page is long; otherwise the tile is gathered page by page
     //    (and converted from bf16/fp16) into a contiguous buffer, so per-tile work is amortized --
@@ -375,11 +390,17 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
       kt = kf, vt = vf, ld = D;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      // row r may see positions <= cached + s; skip the tile if it starts past that
-      const int64_t visible = std::min(n, cached + s0 + r / G + 1 - pos);
-      if (visible <= 0) continue;
+      // row r sees positions [window_start(p), p], p = cached + s: tile keys [0, visible) reach up
+      // to p, the first `hidden` of them lie before its window. Skip the tile if none is left;
+      // else score from the tile start and mask the hidden keys (fewer than kQueryBlock): K/V
+      // pointers that differ per row would cost the causal path a few percent
+      const int64_t p = cached + s0 + r / G;
+      const int64_t visible = std::min(n, p + 1 - pos);
+      const int64_t hidden = std::max<int64_t>(0, window_start(p, window) - pos);
+      if (visible <= hidden) continue;
       A* sr = scores;
       dots(qf + r * D, kt, ld, D, visible, sr);
+      if (hidden > 0) std::fill_n(sr, hidden, -std::numeric_limits<A>::infinity());
       const A tile_max = max_of(sr, visible);
       // -- online softmax: rescale what was accumulated to the new running max --
       const A m_new = std::max(m[r], tile_max);
@@ -393,11 +414,11 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
   }
 }
 
-// -- attend: rows (s, g) of kv head h over positions [0, cache_lengths[b] + s] --
+// -- attend: rows (s, g) of kv head h over positions [window_start(p), p], p = cache_lengths[b] + s --
 template <typename scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const Geometry& g,
             const std::vector<WorkItem>& items, const int32_t* offs, const int32_t* cl,
-            const int32_t* lut, int64_t layer, double scale) {
+            const int32_t* lut, int64_t layer, double scale, int64_t window) {
   using A = acc_t<scalar_t>;
   const int64_t hq = q.size(1), D = g.d, G = hq / g.hkv;
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
@@ -406,13 +427,15 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
   const int64_t rows_max = kQueryBlock * G;
   const int64_t n_items = static_cast<int64_t>(items.size()) * g.hkv;
 
-  // -- the items, costliest first (rows x keys they read), handed out one at a time: causal
-  //    blocks late in a long prompt cost many times the early ones, and an even split by count
-  //    would leave one thread with most of the work --
+  // -- the items, costliest first (keys read, summed over the rows), handed out one at a time:
+  //    causal blocks late in a long prompt cost many times the early ones, and an even split by
+  //    count would leave one thread with most of the work --
   std::vector<int64_t> cost(items.size()), order(n_items);
   for (size_t j = 0; j < items.size(); ++j) {
     const WorkItem& it = items[j];
-    cost[j] = (it.s1 - it.s0) * (int64_t{cl[it.b]} + (it.s0 + it.s1 + 1) / 2);
+    const int64_t cached = cl[it.b];
+    cost[j] = 0;
+    for (int64_t p = cached + it.s0; p < cached + it.s1; ++p) cost[j] += p + 1 - window_start(p, window);
   }
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(),
@@ -440,13 +463,15 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
       std::fill_n(acc.begin(), rows * D, A(0));
       std::fill_n(m.begin(), rows, -std::numeric_limits<A>::infinity());
       std::fill_n(l.begin(), rows, A(0));
-      const int64_t kv_end = cached + item.s1;  // the block's last token sees positions < kv_end
+      // the block's tokens see positions in [kv_begin, kv_end): from its first token's window
+      // start to its last token
+      const int64_t kv_begin = window_start(cached + item.s0, window), kv_end = cached + item.s1;
       if (item.s1 - item.s0 == 1) {
         attend_one_token(qf.data(), rows, acc.data(), l.data(), context_scores, kf.data(), vf.data(), blocks, g,
-                         lut, b, h, layer, kv_end);
+                         lut, b, h, layer, kv_begin, kv_end);
       } else {
         attend_block(qf.data(), rows, G, acc.data(), m.data(), l.data(), scores.data(), kf.data(), vf.data(),
-                     blocks, g, lut, b, h, layer, cached, item.s0, kv_end);
+                     blocks, g, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window);
       }
       // -- write out: every row saw at least its own token, so l > 0 --
       for (int64_t r = 0; r < rows; ++r) {
@@ -463,8 +488,11 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             at::Tensor& kv_blocks, const at::Tensor& cache_lengths,
                             const at::Tensor& lookup_table, const at::Tensor& input_row_offsets,
                             const at::Tensor& max_lengths, int64_t layer_idx,
-                            std::optional<double> scale) {
+                            std::optional<double> scale, std::optional<int64_t> sliding_window) {
   // shapes, dtypes and devices are checked by the caller (kvgraph.kernels.ops.check_inputs)
+  TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
+                    "sliding_window must be a positive int (keys seen, itself included) or None, got ",
+                    *sliding_window);
   TORCH_CHECK_VALUE(kv_blocks.is_contiguous(), "kv_blocks must be contiguous, got strides ",
                     kv_blocks.strides());
   auto rows_contiguous = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
@@ -492,7 +520,8 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
     scalar_t* blocks = kv_blocks.mutable_data_ptr<scalar_t>();
     store_new_tokens(k, 0, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
     store_new_tokens(v, 1, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
-    attend(q, out, blocks, g, items, offs, cl, lut, layer_idx, softmax_scale);
+    attend(q, out, blocks, g, items, offs, cl, lut, layer_idx, softmax_scale,
+           sliding_window.value_or(kNoWindow));
   });
   return out;
 }
@@ -504,7 +533,7 @@ TORCH_LIBRARY(kvgraph_cpu, m) {
   m.def(
       "ragged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, "
       "Tensor lookup_table, Tensor input_row_offsets, Tensor max_lengths, int layer_idx, "
-      "float? scale=None) -> Tensor");
+      "float? scale=None, int? sliding_window=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) { m.impl("ragged_attention", &kvgraph::ragged_attention); }

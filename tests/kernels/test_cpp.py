@@ -62,9 +62,10 @@ def test_the_kernel_builds_for_this_cpu_with_the_op_schema():
     cpp.build()  # loading again is a no-op
     ours = torch.ops.kvgraph_cpu.ragged_attention.default._schema
     op = torch.ops.kvgraph.ragged_attention.default._schema
-    assert [(a.name, str(a.type), a.is_out) for a in ours.arguments] == [
-        (a.name, str(a.type), a.is_out) for a in op.arguments
+    assert [(a.name, str(a.type), a.default_value, a.is_out) for a in ours.arguments] == [
+        (a.name, str(a.type), a.default_value, a.is_out) for a in op.arguments
     ]
+    assert ours.arguments[-1].name == "sliding_window"
     assert ours.arguments[3].alias_info.is_write  # kv_blocks is written in place
 
 

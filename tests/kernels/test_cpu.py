@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvgraph.errors import CacheInputError
 from kvgraph.kernels import cpp, cpu, reference
 
 IMPLS = {"cpp": cpp.ragged_attention, "sdpa": cpu.ragged_attention}
@@ -97,3 +98,124 @@ def test_strided_inputs(impl, make_kv_case, check_against_golden):
     before = case.kv_blocks.clone()
     impl(*case.args())
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+# -- sliding window: the token at position p sees only positions p - w + 1..p --
+
+# (cached, new) tokens per sequence. Prompts span several 16-token query blocks and 64-key tiles;
+# a 3-token sequence has few enough rows (with GQA 4) for fp32 pages to be read in place.
+WINDOW_LENGTHS = {
+    "prefill": [(0, 97), (0, 40)],
+    "prefill_cached": [(45, 37), (130, 20), (50, 3)],
+    "decode": [(200, 1), (5, 1), (0, 1), (64, 1)],
+    "mixed": [(20, 1), (0, 17), (7, 9), (150, 1), (33, 40), (50, 3)],
+}
+# 1: only itself; 21 and 70: aligned to neither the 16-token pages nor the 64-key tiles;
+# 10_000: longer than any context (plain causal)
+WINDOWS = [1, 3, 21, 70, 10_000]
+
+
+def hide_before_windows(case, window: int) -> None:
+    """NaN at every cached position that no new token of its sequence sees (before the first one's window)."""
+    for b, cached in enumerate(case.cache_lengths.tolist()):
+        for pos in range(max(0, cached - window + 1)):
+            block, row = case.location(b, pos)
+            case.kv_blocks[block, :, case.layer_idx, row] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, None], ids=["paged", "continuous"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("lengths", list(WINDOW_LENGTHS.values()), ids=list(WINDOW_LENGTHS))
+def test_sliding_window_matches_golden(impl, make_kv_case, check_against_golden, lengths, window, page_size,
+                                       dtype):
+    case = make_kv_case(lengths, page_size=page_size, n_heads=8, n_kv_heads=2, dtype=dtype)
+    fast, ref = run_both(impl, case, sliding_window=window)
+    assert fast.dtype == dtype
+    check_against_golden(fast, case.golden(sliding_window=window), ref)
+
+
+@pytest.mark.parametrize("window", [1, 21])
+def test_sliding_window_page_sizes(impl, make_kv_case, check_against_golden, cache_page_size, window):
+    case = make_kv_case(WINDOW_LENGTHS["mixed"], page_size=cache_page_size)
+    fast, ref = run_both(impl, case, sliding_window=window)
+    check_against_golden(fast, case.golden(sliding_window=window), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_sliding_window_other_dtypes(impl, make_kv_case, check_against_golden, dtype):
+    case = make_kv_case(WINDOW_LENGTHS["mixed"], dtype=dtype)
+    fast, ref = run_both(impl, case, sliding_window=21)
+    assert fast.dtype == dtype
+    check_against_golden(fast, case.golden(sliding_window=21), ref)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
+@pytest.mark.parametrize("lengths", [WINDOW_LENGTHS["decode"], WINDOW_LENGTHS["prefill_cached"]],
+                         ids=["decode", "prefill"])
+def test_sliding_window_gqa_ratios(impl, make_kv_case, check_against_golden, n_heads, n_kv_heads, lengths):
+    case = make_kv_case(lengths, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    fast, ref = run_both(impl, case, sliding_window=21)
+    check_against_golden(fast, case.golden(sliding_window=21), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 21])
+def test_sliding_window_matches_the_reference(impl, make_kv_case, reference_tol, window, dtype):
+    case = make_kv_case(WINDOW_LENGTHS["mixed"], n_heads=8, n_kv_heads=2, dtype=dtype)
+    fast, ref = run_both(impl, case, sliding_window=window)
+    # each is within reference_tol of the golden, so within twice that of the other
+    torch.testing.assert_close(fast.double(), ref.double(), atol=2 * reference_tol[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [16, None], ids=["paged", "continuous"])
+def test_sliding_window_longer_than_every_context_is_causal(impl, make_kv_case, page_size):
+    case = make_kv_case(WINDOW_LENGTHS["mixed"], page_size=page_size)
+    longest = int(case.max_lengths[0, 1])
+    windowed = impl(*case.clone().args(), sliding_window=longest)
+    torch.testing.assert_close(windowed, impl(*case.clone().args()), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [16, None], ids=["paged", "continuous"])
+def test_sliding_window_stores_exactly_the_new_rows(impl, make_kv_case, page_size):
+    case = make_kv_case(WINDOW_LENGTHS["mixed"], page_size=page_size)
+    before = case.kv_blocks.clone()
+    impl(*case.args(), sliding_window=3)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+    ref = case.clone()
+    ref.kv_blocks = before.clone()
+    reference.ragged_attention(*ref.args(), sliding_window=3)
+    assert torch.equal(case.kv_blocks, ref.kv_blocks)
+
+
+@pytest.mark.parametrize("window", [0, -2])
+def test_sliding_window_below_one_is_refused(impl, make_kv_case, window):
+    case = make_kv_case([(20, 1), (0, 17)])
+    before = case.kv_blocks.clone()
+    with pytest.raises(CacheInputError, match=rf"sliding_window must be a positive int .* got {window}"):
+        impl(*case.args(), sliding_window=window)
+    assert torch.equal(case.kv_blocks, before)
+
+
+def test_cpp_kernel_refuses_a_window_below_one_before_writing(make_kv_case):
+    """The C++ op's own check, for callers that skip the Python wrapper's."""
+    case = make_kv_case([(20, 1), (0, 17)])
+    cpp.build()
+    before = case.kv_blocks.clone()
+    with pytest.raises(ValueError, match=r"sliding_window must be a positive int .* got 0"):
+        torch.ops.kvgraph_cpu.ragged_attention(*case.args(), None, 0)
+    assert torch.equal(case.kv_blocks, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16, None], ids=["page1", "page16", "continuous"])
+@pytest.mark.parametrize("window", [1, 21, 70])
+def test_cpp_never_reads_before_the_window(make_kv_case, check_against_golden, window, page_size, dtype):
+    """Cached positions no new token sees hold NaN: the C++ kernel skips them (the reference and SDPA
+    multiply them by zero, which NaN survives)."""
+    case = make_kv_case(WINDOW_LENGTHS["mixed"] + [(300, 2)], page_size=page_size, n_heads=8, n_kv_heads=2,
+                        dtype=dtype)
+    ref = reference.ragged_attention(*case.clone().args(), sliding_window=window)
+    hide_before_windows(case, window)
+    fast = cpp.ragged_attention(*case.args(), sliding_window=window)
+    check_against_golden(fast, case.golden(sliding_window=window), ref)

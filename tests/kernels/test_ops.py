@@ -45,6 +45,12 @@ def test_opcheck(make_kv_case, page_size, scale):
 
 
 @pytest.mark.parametrize("page_size", [4, None], ids=["paged", "continuous"])
+def test_opcheck_with_a_sliding_window(make_kv_case, page_size):
+    case = make_kv_case([(5, 3), (0, 7), (9, 1)], page_size=page_size)
+    torch.library.opcheck(OP.default, case.args(), {"sliding_window": 3})
+
+
+@pytest.mark.parametrize("page_size", [4, None], ids=["paged", "continuous"])
 def test_torch_compile_fullgraph_mutates_kv_blocks(make_kv_case, check_against_golden, page_size):
     case = make_kv_case([(5, 3), (0, 7), (9, 1)], page_size=page_size)
     before = case.kv_blocks.clone()
