@@ -1,17 +1,20 @@
 """CPU ragged attention: the PyTorch reference, the SDPA path and the C++ paged kernel, median ms as JSON.
 
-    python benchmarks/cpu_attention.py [--repeats 20] [--threads N]
+    python benchmarks/cpu_attention.py [--repeats 20] [--threads N] [--sliding-window W]
 
 Batches over a paged cache (page_size 16, 8 query heads, 2 kv heads, head_dim 64): a decode
 batch (one new token per sequence over long contexts), a prefill batch (long prompts with a
 cached prefix) and a ragged decode batch (contexts of 16..1024 tokens: what padding to the
 longest costs). Each run stores into its own copy of the cache. ``attention_gflops`` counts
 the useful multiply-adds of QK^T and PV (causal, no padding) per second of the C++ kernel.
+With ``--sliding-window W`` the C++ kernel is also timed with a window of ``W`` keys per token
+(``cpp_window``, in the same rounds), with its own useful multiply-adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -69,14 +72,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--sliding-window", type=int, default=None, help="also time the C++ kernel with this window")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    impls = dict(IMPLS)
+    if args.sliding_window is not None:
+        impls["cpp_window"] = functools.partial(cpp.ragged_attention, sliding_window=args.sliding_window)
     results = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for name, shape in SHAPES.items():
             step = make_step(**shape, dtype=dtype)
-            ms = median_ms(IMPLS, step, args.repeats)
+            ms = median_ms(impls, step, args.repeats)
             new = shape["new"]
             # multiply-adds of QK^T and PV, each query over its causal context, every query head
             macs = 2 * 8 * 64 * sum(c * new + new * (new + 1) // 2 for c in shape["cached"])
@@ -88,6 +95,11 @@ def main() -> None:
             row["cpp_vs_sdpa"] = round(ms["sdpa"]["wall"] / ms["cpp"]["wall"], 2)
             row["cpp_vs_reference"] = round(ms["reference"]["wall"] / ms["cpp"]["wall"], 2)
             row["attention_gflops"] = round(2 * macs / ms["cpp"]["wall"] / 1e6, 1)
+            if args.sliding_window is not None:
+                w = args.sliding_window
+                seen = sum(min(c + i + 1, w) for c in shape["cached"] for i in range(new))
+                row["cpp_window_vs_cpp"] = round(ms["cpp"]["wall"] / ms["cpp_window"]["wall"], 2)
+                row["window_attention_gflops"] = round(2 * 2 * 8 * 64 * seen / ms["cpp_window"]["wall"] / 1e6, 1)
             results.append(row)
     print(json.dumps({"threads": args.threads, "torch": torch.__version__, "results": results}, indent=2))
 
