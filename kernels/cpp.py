@@ -152,6 +152,7 @@ def ragged_attention(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The op on CPU tensors through the C++ kernel (arguments as ``torch.ops.kvgraph.ragged_attention``).
 
@@ -171,7 +172,12 @@ def ragged_attention(
     from kvgraph.kernels.ops import check_inputs
 
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                 sliding_window)
+                 sliding_window, softcap)
+    if softcap is not None:
+        from kvgraph.kernels import cpu
+
+        return cpu.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
+                                    layer_idx, scale, sliding_window, softcap)
     kernel = _kernel()
     try:
         return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,

@@ -1,12 +1,14 @@
 """The fused KV-cache attention op ``kvgraph::ragged_attention`` and its input checks.
 
 ``torch.ops.kvgraph.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table,
-input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None)`` first stores
+input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None, softcap=None)`` first stores
 the new tokens' K and V into layer ``layer_idx`` of the cache, then returns causal attention of
 every new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
 of sequence ``b`` sits at position ``p = cache_lengths[b] + i - input_row_offsets[b]`` and sees
 positions ``0..p``, or with a ``sliding_window`` of ``w`` tokens only ``max(0, p - w + 1)..p``
-(Mistral's and Gemma's local attention: ``w`` keys, itself included).
+(Mistral's and Gemma's local attention: ``w`` keys, itself included). With ``softcap`` ``c``
+each score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before softmax (Gemma 2's logit
+soft-capping).
 
 Implementations: a fake (shape) impl for tracing; on the CPU the C++ paged kernel
 (:mod:`kvgraph.kernels.cpp`, pages read in place), or the SDPA path (:mod:`kvgraph.kernels.cpu`)
@@ -43,6 +45,7 @@ def check_inputs(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Raise ``CacheInputError`` unless the op's arguments have consistent dtypes, ranks, shapes and devices.
 
@@ -116,6 +119,8 @@ def check_inputs(
     ):
         raise CacheInputError(f"sliding_window must be a positive int (keys seen, itself included) or None, "
                               f"got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise CacheInputError(f"softcap must be a finite positive float or None, got {softcap!r}")
 
 
 def check_values(
@@ -184,7 +189,7 @@ def check_values(
 SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, Tensor lookup_table, "
     "Tensor input_row_offsets, Tensor max_lengths, int layer_idx, float? scale=None, "
-    "int? sliding_window=None) -> Tensor"
+    "int? sliding_window=None, float? softcap=None) -> Tensor"
 )
 
 
@@ -205,6 +210,7 @@ def ragged_attention(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Store the new K/V into the cache, then causal attention over each sequence's cache.
 
@@ -222,13 +228,14 @@ def ragged_attention(
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         sliding_window: ``w`` >= 1: the token at position ``p`` sees only positions ``p - w + 1..p``
             (the cache still holds every position); ``None``: all of ``0..p``.
+        softcap: ``c > 0``: scores ``s`` become ``c * tanh(s / c)`` before softmax; ``None``: unchanged.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype. q, k, v and kv_blocks share one dtype and device.
     """
     return torch.ops.kvgraph.ragged_attention(
         q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-        sliding_window,
+        sliding_window, softcap,
     )
 
 

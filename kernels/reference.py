@@ -181,6 +181,7 @@ def store_and_load_context(
     layer_idx: int,
     scale: float | None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[RaggedBatch, torch.Tensor, torch.Tensor]:
     """The op's first half: validate, store the new K/V, load every sequence's whole context.
 
@@ -188,7 +189,7 @@ def store_and_load_context(
     ``[batch, max_total, Hkv, D]`` in the cache dtype, zero past each sequence's length.
     """
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                 sliding_window)
+                 sliding_window, softcap)
     check_values(kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, q.shape[0])
     collection = _collection(kv_blocks, cache_lengths, lookup_table, max_lengths)
     store_kv(k, v, collection, input_row_offsets, layer_idx)
@@ -210,6 +211,7 @@ def ragged_attention(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference of ``torch.ops.kvgraph.ragged_attention`` (same arguments, same cache writes).
 
@@ -217,14 +219,15 @@ def ragged_attention(
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
         cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
         input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]`` (CPU);
-        sliding_window: keys each token sees, itself included (``None``: all before it).
+        sliding_window: keys each token sees, itself included (``None``: all before it);
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, computed in float32 (float64 for float64 inputs).
     """
     batch, k_ctx, v_ctx = store_and_load_context(
         q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-        sliding_window,
+        sliding_window, softcap,
     )
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -234,6 +237,8 @@ def ragged_attention(
     # qg: [B, S, Hkv, G, D]: the G query heads of one kv head side by side
     qg = batch.pad(q).to(acc).view(B, S, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bshgd,blhd->bhgsl", qg, k_ctx.to(acc)) * scale  # [B, Hkv, G, S, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~batch.mask(sliding_window)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgsl,blhd->bshgd", probs, v_ctx.to(acc))  # [B, S, Hkv, G, D]
@@ -249,6 +254,7 @@ def naive_attention_fp64(
     input_row_offsets: torch.Tensor | Sequence[int],
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Float64 golden: causal attention of each sequence's new tokens over its history, one sequence at a time.
 
@@ -259,6 +265,7 @@ def naive_attention_fp64(
         input_row_offsets: ``[batch + 1]`` prefix sums of new tokens.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         sliding_window: keys each token sees, itself included (``None``: every earlier one).
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
 
     Returns:
         ``[T, Hq, D]`` float64.
@@ -274,6 +281,8 @@ def naive_attention_fp64(
         keys = torch.cat([k_cached[b], k[lo:hi]]).double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = torch.cat([v_cached[b], v[lo:hi]]).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("shd,lhd->hsl", q[lo:hi].double(), keys) * scale  # [Hq, S, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         s = torch.arange(hi - lo, device=q.device)[:, None]
         j = torch.arange(keys.shape[0], device=q.device)[None, :]
         hidden = j > cached + s

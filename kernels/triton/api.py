@@ -30,6 +30,7 @@ def ragged_attention(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Store the new tokens' K/V into the cache, then causal attention over each sequence's cache.
 
@@ -56,6 +57,8 @@ def ragged_attention(
     Raises:
         CacheInputError: a shape, dtype, device or layout the kernels cannot take; nothing is written.
     """
+    if softcap is not None:
+        raise NotImplementedError("the Triton kernels take no softcap yet")
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
                         layer_idx, scale, sliding_window)
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
