@@ -6,7 +6,9 @@ A site is either
   ``attn_mask`` proven causal (or causal within a sliding window, which the site then carries
   to the fused op), any ``scale``, ``enable_gqa``; or
 * the explicit pattern ``matmul(q, k.transpose(-2, -1)) -> (* scale | / scale)* ->
-  (+ mask | masked_fill | where)* -> softmax(-1) -> (cast | dropout p=0)* -> matmul(., v)``.
+  [/ cap -> tanh -> * cap] -> (+ mask | masked_fill | where)* -> softmax(-1) ->
+  (cast | dropout p=0)* -> matmul(., v)``; the bracket is Gemma 2's logit soft-capping, which
+  the site carries to the fused op as ``softcap``.
 
 K/V repeated for GQA (``repeat_kv``: expand + reshape, ``repeat_interleave``) are traced back
 to the un-repeated tensors, whose head count is the cache's ``n_kv_heads``. Every softmax over
@@ -61,6 +63,7 @@ class AttentionSite:
     body: frozenset[Node]  # the nodes of the pattern itself
     layer_idx: int = -1
     sliding_window: int | None = None  # keys each token sees (itself included) under a local mask
+    softcap: float | None = None  # scores s become softcap * tanh(s / softcap) before the mask
 
     def __repr__(self) -> str:
         return (f"AttentionSite(layer {self.layer_idx}: {self.kind} '{self.node.name}', Hq={self.n_heads}, "
@@ -111,6 +114,7 @@ class _Match:
     mask: str
     gqa: bool
     body: frozenset[Node]
+    softcap: float | None = None
 
 
 def run(
@@ -211,6 +215,7 @@ def _match_explicit(softmax: Node) -> _Match:
                 f"by {names}"
             )
     q, k = qk.args[0], P.strip_transpose_last2(qk.args[1])
+    chain, softcap = _soft_cap(softmax, chain)
     scale, factors, effects = 1.0, [], []
     for node, pos in chain:
         side = [a for i, a in enumerate(node.args) if i != pos]
@@ -236,7 +241,56 @@ def _match_explicit(softmax: Node) -> _Match:
             "(bidirectional attention is not causal)"
         )
     body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in chain)})
-    return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body)
+    body = body | {n for n in steps[1]}
+    return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body, softcap)
+
+
+def _soft_cap(softmax: Node, chain: list[tuple[Node, int]]) -> tuple[list[tuple[Node, int]], float | None]:
+    """The chain without a ``/ c -> tanh -> * c`` soft-cap, and ``c`` (``None`` without one).
+
+    The cap must come after every scale factor and before every mask: a scale after it is not
+    a softmax scale, and a mask before it would be squashed to ``-c`` instead of hiding a key.
+    """
+    ops = [(n, pos) for n, pos in chain if not P.is_call(n, P.CASTS)]
+    at = [i for i, (n, _) in enumerate(ops) if P.is_call(n, P.TANH)]
+    if not at:
+        return chain, None
+
+    def refuse(why: str) -> LoweringError:
+        return LoweringError(f"cannot lower attention {describe(softmax)}: {why}")
+
+    i = at[0]
+    if len(at) > 1 or i == 0 or i + 1 >= len(ops):
+        raise refuse("tanh on the attention scores is not one soft-cap '/ c -> tanh -> * c'")
+    (div, div_pos), (mul, _) = ops[i - 1], ops[i + 1]
+    cap_in = div.args[1] if P.is_call(div, P.DIV) and div_pos == 0 and len(div.args) == 2 else None
+    cap_out = next((a for j, a in enumerate(mul.args) if a is not ops[i][0]), None) if P.is_call(mul, P.MUL) else None
+    c_in, c_out = _scalar_value(cap_in), _scalar_value(cap_out)
+    if c_in is None or c_in != c_out or not c_in > 0:
+        raise refuse(f"tanh on the attention scores between '{div.name}' and '{mul.name}' is not a soft-cap "
+                     "'/ c -> tanh -> * c' by one positive constant c")
+    if any(not (P.is_call(n, P.MUL) or P.is_call(n, P.DIV)) for n, _ in ops[:i - 1]):
+        raise refuse(f"a mask is applied before the soft-cap '{ops[i][0].name}'; it would be squashed, not hidden")
+    if any(P.is_call(n, P.MUL) or P.is_call(n, P.DIV) for n, _ in ops[i + 2:]):
+        raise refuse(f"the scores are scaled after the soft-cap '{ops[i][0].name}'")
+    capped = {div, ops[i][0], mul}
+    return [(n, pos) for n, pos in chain if n not in capped], c_in
+
+
+def _scalar_value(value: object) -> float | None:
+    """A constant scalar's value: a number, or a node holding one (Dynamo reads float module
+    attributes with ``.item()``: a symbolic float whose value the trace recorded)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, Node):
+        return None
+    val = meta_value(value)
+    if isinstance(val, torch.SymFloat):
+        hint = val.node.hint
+        return None if hint is None else float(hint)
+    if isinstance(val, (int, float)) and not isinstance(val, bool):
+        return float(val)
+    return None
 
 
 def _score_chain(node: object) -> tuple[Node, list[tuple[Node, int]]] | None:
@@ -245,7 +299,7 @@ def _score_chain(node: object) -> tuple[Node, list[tuple[Node, int]]] | None:
         return None
     if P.is_call(node, P.MATMUL) and P.strip_transpose_last2(node.args[1]) is not None:
         return node, []
-    if not any(P.is_call(node, kind) for kind in (P.CASTS, P.MUL, P.DIV, P.ADD, P.MASKED_FILL, P.WHERE)):
+    if not any(P.is_call(node, kind) for kind in (P.CASTS, P.MUL, P.DIV, P.ADD, P.MASKED_FILL, P.WHERE, P.TANH)):
         return None
     for pos, operand in enumerate(node.args):
         found = _score_chain(operand)
@@ -317,7 +371,8 @@ def _check(view: GraphView, prover: MaskProver, m: _Match, token_count: object) 
     proof = MaskProof(m.mask) if m.mask else prover.prove(m.node, m.effects)
     val = meta_value(m.q)
     return AttentionSite(m.node, m.kind, m.q, k, v, Hq, Hkv, D, val.dtype, val.device, m.scale,
-                         m.scale_factors, how, proof.text, m.body, sliding_window=proof.sliding_window)
+                         m.scale_factors, how, proof.text, m.body, sliding_window=proof.sliding_window,
+                         softcap=m.softcap)
 
 
 def _unrepeat(m: _Match) -> tuple[Node, Node, str | None]:

@@ -38,6 +38,7 @@ DIV = (frozenset({operator.truediv, torch.div, torch.true_divide}), frozenset({"
 ADD = (frozenset({operator.add, torch.add}), frozenset({"add", "__add__", "__radd__"}))
 MASKED_FILL = (frozenset({torch.masked_fill}), frozenset({"masked_fill"}))
 WHERE = (frozenset({torch.where}), frozenset())
+TANH = (frozenset({torch.tanh, F.tanh}), frozenset({"tanh"}))
 # Value-preserving conversions allowed around softmax.
 CASTS = (frozenset(), frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous"}))
 TRANSPOSE = (frozenset({torch.transpose}), frozenset({"transpose"}))

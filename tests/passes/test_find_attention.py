@@ -154,7 +154,51 @@ def test_sliding_window_lowers_with_its_width_and_matches_eager_past_it(attn):
                                       [[53], [59]]])
 
 
+def soft_capped(cap: float = 0.5, mask_first: bool = False, scale_after: bool = False):
+    """Gemma 2's explicit attention: scale, ``/ cap -> tanh -> * cap``, then the causal mask."""
+    def attn(q, k, v):
+        scores = q @ repeat_kv(k, 2).transpose(-2, -1) * 2.0
+        hidden = ~causal_bool(q.shape[2])
+        if mask_first:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        scores = torch.tanh(scores / cap) * cap
+        if scale_after:
+            scores = scores * 0.5
+        if not mask_first:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ repeat_kv(v, 2)
+    return attn
+
+
+def test_soft_capped_scores_lower_with_the_cap_and_match_eager():
+    cap = capture(TinyDecoder(soft_capped(0.5)), **model_kwargs())
+    result = lower(cap.fresh())
+    assert [(s.softcap, s.scale) for s in result.sites] == [(0.5, 2.0)] * 2
+    assert {n.args[-1] for n in lowered_ops(result.gm)} == {0.5}
+    assert not any("tanh" in str(n.target) for n in result.gm.graph.nodes)
+    steps_against_eager(cap, result, [[[3, 5, 7, 11, 2], [13, 17]], [[19], [23, 29, 31]], [[41, 43], [47]]])
+    uncapped = TinyDecoder(soft_capped(1e6))
+    uncapped.load_state_dict(cap.model.state_dict())
+    seq = [3, 5, 7, 11, 2]
+    assert (eager_last_logits(uncapped, seq) - eager_last_logits(cap.model, seq)).abs().max() > 0.1  # the cap bites
+
+
+@pytest.mark.parametrize(("attn", "message"), [
+    (soft_capped(mask_first=True), "a mask is applied before the soft-cap 'tanh'; it would be squashed"),
+    (soft_capped(scale_after=True), "the scores are scaled after the soft-cap 'tanh'"),
+], ids=["mask_first", "scale_after"])
+def test_soft_caps_that_change_the_mask_or_scale_are_refused(attn, message):
+    gm = capture(TinyDecoder(attn), **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match=message):
+        find_attention.run(gm)
+
+
 # -- attention forms that must be refused --
+def tanh_without_a_cap(q, k, v):
+    scores = torch.tanh(q @ repeat_kv(k, 2).transpose(-2, -1)).masked_fill(~causal_bool(q.shape[2]), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ repeat_kv(v, 2)
+
+
 def alibi(q, k, v):
     i = torch.arange(q.shape[2])
     bias = -0.5 * (i[:, None] - i[None, :]).float()
@@ -181,6 +225,7 @@ def training_dropout(q, k, v):
 
 
 REFUSED = {
+    tanh_without_a_cap: r"tanh on the attention scores is not one soft-cap",
     alibi: r"adds the bias -0.5 to the score of token 1 for token 0 \(ALiBi",
     bidirectional: "is_causal=False without an attn_mask",
     explicit_without_mask: "no mask between the scores and softmax",
