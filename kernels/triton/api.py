@@ -48,6 +48,8 @@ def ragged_attention(
         layer_idx: the layer of this attention.
         scale: softmax scale, ``1/sqrt(D)`` when None.
         sliding_window: ``w >= 1`` keys each token sees, itself included; None: all before it.
+        softcap: ``c > 0``: scores ``s`` become ``c * tanh(s / c)`` before softmax (logit
+            soft-capping); None: unchanged.
 
     Returns:
         ``[T, Hq, D]`` in ``q``'s dtype: token ``i`` of sequence ``b`` (at position
@@ -57,15 +59,14 @@ def ragged_attention(
     Raises:
         CacheInputError: a shape, dtype, device or layout the kernels cannot take; nothing is written.
     """
-    if softcap is not None:
-        raise NotImplementedError("the Triton kernels take no softcap yet")
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale, sliding_window)
+                        layer_idx, scale, sliding_window, softcap)
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
     with on_device(q):
         launch_store(k, v, cache, cache_lengths, input_row_offsets)
         if plan.max_new == 1:
             splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_keys,
                                        multiprocessors(q.device))
-            return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, splits, plan.window)
-        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale, plan.window)
+            return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, splits, plan.window,
+                                 plan.softcap)
+        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale, plan.window, plan.softcap)

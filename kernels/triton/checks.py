@@ -35,12 +35,15 @@ class LaunchPlan:
         scale: the softmax scale (``1/sqrt(D)`` when the caller passed None).
         window: the keys each query sees (``sliding_window``, itself included) as the kernels
             take it: 0 for all before it, also for a window no sequence can outgrow.
+        softcap: the attention logit cap ``c`` (scores ``s`` become ``c * tanh(s / c)``), as a
+            float; None for none.
     """
 
     max_new: int
     max_context: int
     scale: float
     window: int = 0
+    softcap: float | None = None
 
     @property
     def max_keys(self) -> int:
@@ -60,6 +63,7 @@ def check_launch(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> LaunchPlan:
     """Check the op's arguments (see ``kvgraph.kernels.ops``) and what the Triton kernels need.
 
@@ -69,7 +73,7 @@ def check_launch(
     ``max_lengths[0]`` consistent with the token count and within what one sequence can hold.
     """
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                 sliding_window)
+                 sliding_window, softcap)
     device = q.device
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         raise CacheInputError(
@@ -100,4 +104,5 @@ def check_launch(
         )
     # a window no sequence can outgrow hides nothing; 0 also keeps huge windows out of the kernels' int32
     window = 0 if sliding_window is None or sliding_window >= capacity else sliding_window
-    return LaunchPlan(max_new, max_context, 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale), window)
+    return LaunchPlan(max_new, max_context, 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale), window,
+                      None if softcap is None else float(softcap))

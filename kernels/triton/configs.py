@@ -1,7 +1,7 @@
 """Autotuning spaces of the attention kernels and the filters that prune them.
 
 On CUDA the prefill and decode kernels are autotuned per (padded head dim, query heads per
-KV head, page size, dtype). Under the CPU interpreter there is a single small config, so
+KV head, page size, dtype, and whether scores are soft-capped). Under the CPU interpreter there is a single small config, so
 nothing is benchmarked and tests stay fast.
 """
 
@@ -18,8 +18,8 @@ MIN_ROWS = 64  # query rows (tokens x query heads of one KV head) of a prefill t
 MAX_ROWS = 128
 TILE_BYTES = 128 * 128 * 2  # largest [rows or keys, head_dim] operand tile: 128 x 128 in 16 bits
 
-PREFILL_KEY = ["HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE"]
-DECODE_KEY = ["HEAD_DIM_PAD", "BLOCK_H", "PAGE_SIZE"]
+PREFILL_KEY = ["HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE", "HAS_SOFTCAP"]
+DECODE_KEY = ["HEAD_DIM_PAD", "BLOCK_H", "PAGE_SIZE", "HAS_SOFTCAP"]
 
 
 def prefill_configs() -> list[triton.Config]:

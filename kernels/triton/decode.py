@@ -11,7 +11,7 @@ import triton
 from kvgraph.errors import CacheInputError
 from kvgraph.kernels.triton.checks import check_launch
 from kvgraph.kernels.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel
-from kvgraph.kernels.triton.launch import dot_precision, on_device
+from kvgraph.kernels.triton.launch import dot_precision, log2_softcap, on_device
 from kvgraph.kernels.triton.layout import MIN_DOT, PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.kernels.triton.store import launch_store
 
@@ -49,6 +49,7 @@ def decode_attention(
     layer_idx: int,
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """The op (same arguments, same cache writes) with flash-decoding: at most one new token per
@@ -57,11 +58,11 @@ def decode_attention(
     Stores the new K/V, then splits each context (its last ``sliding_window`` positions with a
     window) into ``num_splits`` shares (chosen from the device and ``max_lengths[0, 1]``, or the
     window where shorter, when None) attended by separate programs and merged by a reduction
-    kernel. See :func:`kvgraph.kernels.triton.ragged_attention` for the other arguments; returns
+    kernel; scores are soft-capped with ``softcap``. See :func:`kvgraph.kernels.triton.ragged_attention` for the other arguments; returns
     ``[T, Hq, D]`` in ``q``'s dtype.
     """
     plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale, sliding_window)
+                        layer_idx, scale, sliding_window, softcap)
     if q.shape[0] > 0 and plan.max_new != 1:
         raise CacheInputError(f"decode needs one new token per sequence, got max_lengths[0, 0] = {plan.max_new}")
     if num_splits is None:
@@ -72,7 +73,8 @@ def decode_attention(
     cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
     with on_device(q):
         launch_store(k, v, cache, cache_lengths, input_row_offsets)
-        return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, num_splits, plan.window)
+        return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, num_splits, plan.window,
+                             plan.softcap)
 
 
 def launch_decode(
@@ -83,13 +85,16 @@ def launch_decode(
     scale: float,
     num_splits: int,
     window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Launch the split and reduction kernels on validated inputs, over a cache already holding
     the new tokens.
 
     q: ``[T, Hq, D]``, at most one token per sequence; cache_lengths: ``int32 [batch]`` tokens
     cached *before* the new one; input_row_offsets: ``int32 [batch + 1]``; window: keys each
-    token sees, 0 for all before it (:attr:`LaunchPlan.window`). Returns ``[T, Hq, D]``.
+    token sees, 0 for all before it (:attr:`LaunchPlan.window`); softcap: scores ``s`` become
+    ``softcap * tanh(s / softcap)``, None leaves them (and the compiled kernel) unchanged.
+    Returns ``[T, Hq, D]``.
     """
     num_tokens, n_heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -107,10 +112,10 @@ def launch_decode(
     decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, part_acc, part_max, part_sum, *cache.kernel_args(), cache_lengths, input_row_offsets,
         q.stride(0), q.stride(1), *part_acc.stride()[:3], *part_max.stride()[:2],
-        num_splits, scale * math.log2(math.e), window,
+        num_splits, scale * math.log2(math.e), window, log2_softcap(softcap),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         BLOCK_H=max(MIN_DOT, next_power_of_2(group)), PAGE_SIZE=cache.page_size,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None,
     )
     decode_reduce_kernel[(batch, n_heads)](
         out, part_acc, part_max, part_sum, input_row_offsets,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -20,3 +21,10 @@ def block_programs(num_tokens: int, batch: int, block: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: full fp32 products for fp32 (no TF32, as the PyTorch reference)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def log2_softcap(softcap: float | None) -> float:
+    """The kernels' ``softcap`` argument: the cap times log2(e), as their scores are in log2 units
+    (``c * tanh(s / c)`` times log2(e) is ``c' * tanh(s' / c')`` for ``c' = c * log2(e)``, ``s' = s * log2(e)``);
+    1.0, unused, without one."""
+    return 1.0 if softcap is None else float(softcap) * math.log2(math.e)

@@ -14,9 +14,10 @@ def prefill_kernel(
     Cache, Lookup, stride_lut_b, stride_lut_p, stride_page, stride_kv, stride_row, stride_head,
     CacheLengths, RowOffsets,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    batch, qk_scale, window,
+    batch, qk_scale, window, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (block of BLOCK_Q new tokens of one sequence, KV head): causal attention of the
     block's queries of every query head of that KV head over the sequence's cache, each query
@@ -25,7 +26,8 @@ def prefill_kernel(
     Q, Out: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the
     new tokens. Tile rows are (token, query head of the group) pairs, so each K/V tile is loaded
     once for the whole group. Query head ``kv_head * GROUP + g`` reads KV head ``kv_head``.
-    qk_scale: softmax scale times log2(e).
+    qk_scale: softmax scale times log2(e); softcap: with ``HAS_SOFTCAP``, the logit cap times
+    log2(e) (scores ``s`` become ``c * tanh(s / c)``), unused otherwise.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(1)
@@ -67,22 +69,22 @@ def prefill_kernel(
     for start_n in range(kv_start, full_start, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_start,
-            stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP,
         )
     # -- phase 2: whole tiles inside every row's window and before the block's first position --
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_end,
-            stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP,
         )
     # -- phase 3: the diagonal, up to the block's last new token, causally (and window) masked --
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, kv_end,
-            stride_lut_p, stride_page, stride_row, qk_scale,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP,
         )
 
     # -- epilogue: normalise and store --

@@ -6,6 +6,7 @@
 - :func:`lookup_pages` / :func:`kv_rows` turn positions of one sequence into cache offsets
   through the lookup table.
 - :func:`window_start` is the first position a query sees under a sliding window.
+- :func:`tanh` is fp32 ``tanh`` from ``exp2`` alone, for attention logit soft-capping.
 - :func:`attend_tile` is one step of the online softmax over a tile of cached keys/values.
 """
 
@@ -60,12 +61,30 @@ def window_start(pos, window):
 
 
 @triton.jit
+def tanh(x):
+    """``tanh`` of fp32 ``x`` from ``exp2`` alone (no libdevice, which the interpreter lacks).
+
+    ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)``, which never overflows, and the odd Taylor
+    polynomial to ``x**9`` for ``|x| < 1/4``, where ``1 - e`` would cancel: a few ulps throughout.
+    """
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|): -2 * log2(e)
+    far = (1.0 - e) / (1.0 + e)
+    a_near = tl.minimum(a, 0.25)  # keeps the unused polynomial finite for large |x|
+    a2 = a_near * a_near
+    near = a_near * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
+        -0.05396825396825397 + a2 * 0.021869488536155203))))
+    t = tl.where(a < 0.25, near, far)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def attend_tile(
     acc, m_i, l_i, q, q_first, q_pos,
     K, V, Lookup, start_n, kv_end,
-    stride_lut_p, stride_page, stride_row, qk_scale,
+    stride_lut_p, stride_page, stride_row, qk_scale, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
 
@@ -75,6 +94,8 @@ def attend_tile(
     are masked; a row that has seen no key yet keeps max -inf and sum 0).
     ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0.
     ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
+    With ``HAS_SOFTCAP``, scores ``s`` become ``softcap * tanh(s / softcap)`` before masking; both
+    are in log2 units (the cap times log2(e)), which is the true-scale ``c * tanh(s / c)`` times log2(e).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -86,6 +107,8 @@ def attend_tile(
     # -- load K tile transposed: [HEAD_DIM_PAD, BLOCK_N] --
     k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
+    if HAS_SOFTCAP:
+        s = softcap * tanh(s / softcap)
     if MASKED:
         visible = kv_valid[None, :] & (offs_n[None, :] >= q_first[:, None]) & (offs_n[None, :] <= q_pos[:, None])
     else:

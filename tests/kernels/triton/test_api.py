@@ -53,6 +53,29 @@ def test_sliding_window_every_batch_shape(make_kv_case, check_against_golden, ra
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
 
 
+@pytest.mark.parametrize("softcap, window", [(1.0, None), (30.0, None), (1.0, 5)])
+def test_softcap_every_batch_shape(make_kv_case, check_against_golden, ragged_lengths, softcap, window):
+    case = make_kv_case(ragged_lengths, device=DEVICE)
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, sliding_window=window, softcap=softcap)
+    out = ragged_attention(*case.args(), sliding_window=window, softcap=softcap)
+    check_against_golden(out, windowed_golden(case, window, softcap=softcap), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@pytest.mark.parametrize(
+    "lengths, kernel", [([(40, 1), (0, 1), (9, 0)], "decode"), ([(40, 1), (0, 9)], "prefill")]
+)
+def test_softcap_reaches_both_kernels(make_kv_case, check_against_golden, launches, lengths, kernel):
+    # scores around +-11 (scale 2): a cap dropped on the way to a kernel changes its output
+    case = make_kv_case(lengths, head_dim=32, device=DEVICE)
+    ref = reference_output(case, scale=2.0, softcap=1.0)
+    out = ragged_attention(*case.args(), scale=2.0, softcap=1.0)
+    check_against_golden(out, windowed_golden(case, None, 2.0, softcap=1.0), ref)
+    assert not torch.allclose(out, ragged_attention(*case.args(), scale=2.0), atol=1e-2)
+    assert launches == [kernel, kernel]
+
+
 def test_a_step_without_new_tokens_returns_an_empty_output(make_kv_case):
     case = make_kv_case([(3, 0), (5, 0)], device=DEVICE)
     before = case.kv_blocks.clone()
@@ -135,6 +158,28 @@ def test_the_op_on_cuda_with_a_sliding_window(make_kv_case, check_against_golden
     check_against_golden(out, windowed_golden(case, window), ref)
     assert torch.equal(case.kv_blocks, case.expected_blocks(before))
     assert launches == ["prefill"]
+
+
+@gpu
+@pytest.mark.parametrize("softcap, window", [(1.0, None), (30.0, None), (50.0, 16)])
+def test_the_op_on_cuda_with_a_softcap(make_kv_case, check_against_golden, launches, softcap, window):
+    case = make_kv_case([(200, 1), (0, 170), (77, 90)], head_dim=128, device="cuda")
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, sliding_window=window, softcap=softcap)
+    out = torch.ops.kvgraph.ragged_attention(*case.args(), sliding_window=window, softcap=softcap)
+    check_against_golden(out, windowed_golden(case, window, softcap=softcap), ref)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+    assert launches == ["prefill"]
+
+
+@gpu
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+def test_a_decode_step_of_the_op_on_cuda_with_a_softcap(make_kv_case, check_against_golden, launches, softcap):
+    case = make_kv_case([(3000, 1), (0, 1), (517, 1)], head_dim=128, device="cuda")
+    ref = reference_output(case, scale=0.5, softcap=softcap)
+    out = torch.ops.kvgraph.ragged_attention(*case.args(), scale=0.5, softcap=softcap)
+    check_against_golden(out, windowed_golden(case, None, 0.5, softcap), ref)
+    assert launches == ["decode"]
 
 
 @gpu

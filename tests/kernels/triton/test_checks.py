@@ -84,3 +84,22 @@ def test_sliding_window_as_the_kernels_take_it(make_kv_case):
     assert {w: p.window for w, p in plans.items()} == {None: 0, 1: 1, 5: 5, 31: 31, 32: 0, 10**12: 0}
     # keys one query attends, which sizes the decode splits: the longest context 11, or the window
     assert {w: p.max_keys for w, p in plans.items()} == {None: 11, 1: 1, 5: 5, 31: 11, 32: 11, 10**12: 11}
+
+
+@pytest.mark.parametrize("softcap", [0.0, 0, -1.0, float("nan"), float("inf"), -float("inf")])
+def test_softcap_must_be_finite_and_positive(make_kv_case, softcap):
+    case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
+    before = case.kv_blocks.clone()
+    with pytest.raises(CacheInputError, match="softcap must be a finite positive float"):
+        checks.check_launch(*case.args(), softcap=softcap)
+    with pytest.raises(CacheInputError, match="softcap must be a finite positive float"):
+        ragged_attention(*case.args(), softcap=softcap)
+    assert torch.equal(case.kv_blocks, before)
+
+
+def test_softcap_as_the_kernels_take_it(make_kv_case):
+    case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
+    assert checks.check_launch(*case.args()).softcap is None
+    plan = checks.check_launch(*case.args(), softcap=30)
+    assert plan.softcap == 30.0 and isinstance(plan.softcap, float)
+    assert checks.check_launch(*case.args(), softcap=0.5, sliding_window=5).softcap == 0.5

@@ -95,6 +95,42 @@ def test_decode_sliding_window_differs_from_causal(make_kv_case, check_against_g
     assert not torch.allclose(windowed, decode_attention(*case.args(), num_splits=2), atol=1e-3)
 
 
+def _check_softcap(case, check_against_golden, softcap, num_splits, window=None, scale=None):
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, scale, window, softcap)
+    out = decode_attention(*case.args(), scale=scale, sliding_window=window, softcap=softcap, num_splits=num_splits)
+    check_against_golden(out, windowed_golden(case, window, scale, softcap), ref)
+    torch.testing.assert_close(case.kv_blocks, case.expected_blocks(before), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+# caps that bend most scores (1) and only the largest (30), alone and under windows; one split
+# and several, some left empty; paged, one-row pages and continuous caches; grouped queries
+@pytest.mark.parametrize(
+    "softcap, window, num_splits, page_size, n_heads, n_kv_heads",
+    [(1.0, None, 1, 16, 4, 2), (30.0, None, 3, None, 8, 1), (1.0, None, 7, 1, 4, 4),
+     (30.0, 21, 2, 16, 4, 2), (1.0, 3, 7, None, 6, 2), (30.0, 50, 3, 1, 8, 1)],
+)
+def test_decode_softcap_matches_golden(make_kv_case, check_against_golden, softcap, window, num_splits, page_size,
+                                       n_heads, n_kv_heads):
+    case = make_kv_case(DECODE, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=32, page_size=page_size,
+                        device=DEVICE)
+    _check_softcap(case, check_against_golden, softcap, num_splits, window)
+
+
+def test_decode_softcap_half_precision(make_kv_case, check_against_golden):
+    case = make_kv_case(DECODE, head_dim=64, dtype=torch.float16, device=DEVICE)
+    _check_softcap(case, check_against_golden, 1.0, num_splits=4, scale=0.5)
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+def test_decode_softcap_bends_large_scores(make_kv_case, check_against_golden, softcap):
+    # scale 2 puts scores around +-11: both caps move them, and with them the output
+    case = make_kv_case([(40, 1), (9, 1)], head_dim=32, device=DEVICE)
+    capped = _check_softcap(case.clone(), check_against_golden, softcap, num_splits=2, scale=2.0)
+    assert not torch.allclose(capped, decode_attention(*case.args(), scale=2.0, num_splits=2), atol=1e-2)
+
+
 def test_decode_splits_only_the_window(make_kv_case, monkeypatch):
     # with no split count given, a long context under a short window is sized by the window
     monkeypatch.setattr(decode, "multiprocessors", lambda device: 132)
@@ -149,3 +185,14 @@ def test_decode_sliding_window_long_context_cuda(make_kv_case, check_against_gol
     case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
                         dtype=dtype, device="cuda")
     _check_window(case, check_against_golden, window, num_splits=None)
+
+
+@gpu
+@pytest.mark.parametrize("softcap, window", [(1.0, None), (30.0, None), (30.0, 4096), (50.0, 100)])
+@pytest.mark.parametrize("page_size", [1, 16, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_softcap_long_context_cuda(make_kv_case, check_against_golden, softcap, window, page_size, dtype):
+    lengths = [(32 * 1024 - 1, 1), (5000, 1), (0, 1), (255, 1)]
+    case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
+                        dtype=dtype, device="cuda")
+    _check_softcap(case, check_against_golden, softcap, num_splits=None, window=window)

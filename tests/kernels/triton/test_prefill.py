@@ -96,6 +96,42 @@ def test_prefill_sliding_window_skips_tiles_before_it(make_kv_case, check_agains
     check_against_golden(out, gold, ref)
 
 
+def _check_softcap(case, check_against_golden, softcap, window=None, scale=None):
+    before = case.kv_blocks.clone()
+    ref = reference_output(case, scale, window, softcap)
+    out = prefill_attention(*case.args(), scale=scale, sliding_window=window, softcap=softcap)
+    check_against_golden(out, windowed_golden(case, window, scale, softcap), ref)
+    torch.testing.assert_close(case.kv_blocks, case.expected_blocks(before), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+# caps that bend most scores (1) and only the largest (30, Gemma 2's), alone and under windows;
+# paged, one-row pages and continuous caches; grouped and one-KV-head queries
+@pytest.mark.parametrize(
+    "softcap, window, page_size, n_heads, n_kv_heads",
+    [(1.0, None, 16, 4, 2), (30.0, None, None, 8, 1), (30.0, None, 1, 4, 4), (1.0, 21, None, 6, 2),
+     (30.0, 3, 16, 4, 2), (1.0, 120, 1, 8, 1)],
+)
+def test_prefill_softcap_matches_golden(make_kv_case, check_against_golden, softcap, window, page_size,
+                                        n_heads, n_kv_heads):
+    case = make_kv_case(MIXED, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=32, page_size=page_size,
+                        device=DEVICE)
+    _check_softcap(case, check_against_golden, softcap, window)
+
+
+def test_prefill_softcap_half_precision(make_kv_case, check_against_golden):
+    case = make_kv_case(MIXED, head_dim=64, dtype=torch.float16, device=DEVICE)
+    _check_softcap(case, check_against_golden, 1.0, scale=0.5)
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+def test_prefill_softcap_bends_large_scores(make_kv_case, check_against_golden, softcap):
+    # scale 2 puts scores around +-11: both caps move them, and with them the output
+    case = make_kv_case([(30, 20), (0, 9)], head_dim=32, device=DEVICE)
+    capped = _check_softcap(case.clone(), check_against_golden, softcap, scale=2.0)
+    assert not torch.allclose(capped, prefill_attention(*case.args(), scale=2.0), atol=1e-2)
+
+
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
@@ -117,3 +153,14 @@ def test_prefill_sliding_window_large_cuda(make_kv_case, check_against_golden, w
     case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
                         dtype=dtype, device="cuda")
     _check_window(case, check_against_golden, window)
+
+
+@gpu
+@pytest.mark.parametrize("softcap, window", [(1.0, None), (30.0, None), (30.0, 1000), (50.0, 4096)])
+@pytest.mark.parametrize("page_size", [1, 16, None])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_prefill_softcap_large_cuda(make_kv_case, check_against_golden, softcap, window, page_size, dtype):
+    lengths = [(0, 1024), (4000, 512), (777, 1), (2047, 129), (8191, 300)]
+    case = make_kv_case(lengths, n_heads=32, n_kv_heads=8, head_dim=128, page_size=page_size,
+                        dtype=dtype, device="cuda")
+    _check_softcap(case, check_against_golden, softcap, window)

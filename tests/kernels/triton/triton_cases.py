@@ -27,15 +27,20 @@ def gpu(test):
     return pytest.mark.gpu(_needs_compiled_cuda(test))
 
 
-def reference_output(case, scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+def reference_output(case, scale: float | None = None, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """The PyTorch reference of the op on a copy of ``case``'s cache: ``[T, Hq, D]``."""
-    return reference.ragged_attention(*case.clone().args(), scale=scale, sliding_window=sliding_window)
+    return reference.ragged_attention(*case.clone().args(), scale=scale, sliding_window=sliding_window,
+                                      softcap=softcap)
 
 
-def windowed_golden(case, sliding_window: int | None, scale: float | None = None) -> torch.Tensor:
-    """``case``'s float64 golden with a sliding window of ``sliding_window`` keys: ``[T, Hq, D]``."""
+def windowed_golden(case, sliding_window: int | None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """``case``'s float64 golden with a sliding window of ``sliding_window`` keys (and scores
+    soft-capped at ``softcap``): ``[T, Hq, D]``."""
     return reference.naive_attention_fp64(case.q, case.k, case.v, case.k_cached, case.v_cached,
-                                          case.input_row_offsets, scale, sliding_window=sliding_window)
+                                          case.input_row_offsets, scale, sliding_window=sliding_window,
+                                          softcap=softcap)
 
 
 def hide_before(case, first: list[int]) -> None:
