@@ -163,7 +163,8 @@ def ragged_attention(
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place, contiguous);
         cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
         input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
-        sliding_window: keys each token sees, itself included (``None``: all before it).
+        sliding_window: keys each token sees, itself included (``None``: all before it);
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, accumulated in float32 (float64 for float64 inputs).
@@ -173,14 +174,9 @@ def ragged_attention(
 
     check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
                  sliding_window, softcap)
-    if softcap is not None:
-        from kvgraph.kernels import cpu
-
-        return cpu.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                                    layer_idx, scale, sliding_window, softcap)
     kernel = _kernel()
     try:
         return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                      sliding_window)
+                      sliding_window, softcap)
     except ValueError as e:
         raise CacheInputError(str(e)) from None

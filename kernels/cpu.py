@@ -7,7 +7,7 @@ to ``max_lengths[0]``, with an explicit causal-with-offset mask. GQA groups the 
 heads of one kv head into the query-row dimension, so K/V are never repeated.
 float16 is computed in float32: CPU SDPA has no fast half-precision kernel (bfloat16 it has).
 SDPA cannot soft-cap scores, so with ``softcap`` the same padded batch is computed as
-``softmax(c * tanh(QK^T * scale / c) + mask) V`` with matmuls.
+``softmax(c * tanh(QK^T * scale / c) + mask) V`` with matmuls, bfloat16 in float32 as well.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def ragged_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     B, S = batch.batch_size, batch.max_new
-    acc = torch.float32 if q.dtype == torch.float16 else q.dtype
+    # float16 in float32 (no fast CPU SDPA); bfloat16 too when soft-capping: the matmul path would
+    # round the scores themselves to bfloat16 before the softmax
+    low = (torch.float16,) if softcap is None else (torch.float16, torch.bfloat16)
+    acc = torch.float32 if q.dtype in low else q.dtype
     # rows (s, g) of one kv head: [B, S, Hkv, G, D] -> [B, Hkv, S * G, D]
     q_rows = batch.pad(q).to(acc).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
     mask = batch.mask(sliding_window).repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]

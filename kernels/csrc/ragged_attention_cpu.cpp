@@ -18,6 +18,8 @@
 // Sliding window w: the token at position p sees only [max(0, p - w + 1), p]. An item's keys start
 // at its first token's window start, so tiles and pages wholly before it are never read; a later
 // token's window starts at most kQueryBlock - 1 keys further, masked in the tile that holds it.
+// Softcap c (Gemma 2): each score s becomes c * tanh(s / c) right after its dot product, before
+// masking, max and exp; 0 means none, checked once per row of a tile, never per score.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -299,6 +301,18 @@ inline T exp_and_sum(T* x, T m, int64_t n) {
   return sum;
 }
 
+// x[0:n] = c * tanh(x / c), the soft cap of the scores x.
+template <typename T>
+inline void soft_cap(T* x, T c, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const T inv = T(1) / c;
+  const Vec vc(c), vinv(inv);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) ((Vec::loadu(x + i) * vinv).tanh() * vc).store(x + i);
+  for (; i < n; ++i) x[i] = c * std::tanh(x[i] * inv);
+}
+
 struct WorkItem {
   int64_t b, s0, s1;  // sequence, its new tokens [s0, s1)
 };
@@ -310,7 +324,7 @@ struct WorkItem {
 template <typename scalar_t, typename A>
 void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& scores, A* kf, A* vf,
                       const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b,
-                      int64_t h, int64_t layer, int64_t kv_begin, int64_t kv_end) {
+                      int64_t h, int64_t layer, int64_t kv_begin, int64_t kv_end, A softcap) {
   constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
   const int64_t D = g.d, n_ctx = kv_end - kv_begin;
   if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
@@ -338,9 +352,10 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
     pos += n;
   }
-  // -- pass 2: softmax numerators and their sums --
+  // -- pass 2: softmax numerators and their sums (of the capped scores: every key is visible) --
   for (int64_t r = 0; r < rows; ++r) {
     A* sr = scores.data() + r * n_ctx;
+    if (softcap > 0) soft_cap(sr, softcap, n_ctx);
     l[r] = exp_and_sum(sr, max_of(sr, n_ctx), n_ctx);
   }
   // -- pass 3: acc = sum_j p_j v_j, page by page --
@@ -361,7 +376,7 @@ template <typename scalar_t, typename A>
 void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* scores, A* kf, A* vf,
                   const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b, int64_t h,
                   int64_t layer, int64_t cached, int64_t s0, int64_t kv_begin, int64_t kv_end,
-                  int64_t window) {
+                  int64_t window, A softcap) {
   constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
   const int64_t D = g.d;
   for (int64_t pos = kv_begin; pos < kv_end;) {
@@ -400,6 +415,7 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
       if (visible <= hidden) continue;
       A* sr = scores;
       dots(qf + r * D, kt, ld, D, visible, sr);
+      if (softcap > 0) soft_cap(sr + hidden, softcap, visible - hidden);  // the masked keys stay -inf
       if (hidden > 0) std::fill_n(sr, hidden, -std::numeric_limits<A>::infinity());
       const A tile_max = max_of(sr, visible);
       // -- online softmax: rescale what was accumulated to the new running max --
@@ -418,7 +434,7 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
 template <typename scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const Geometry& g,
             const std::vector<WorkItem>& items, const int32_t* offs, const int32_t* cl,
-            const int32_t* lut, int64_t layer, double scale, int64_t window) {
+            const int32_t* lut, int64_t layer, double scale, int64_t window, double softcap) {
   using A = acc_t<scalar_t>;
   const int64_t hq = q.size(1), D = g.d, G = hq / g.hkv;
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
@@ -468,10 +484,11 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
       const int64_t kv_begin = window_start(cached + item.s0, window), kv_end = cached + item.s1;
       if (item.s1 - item.s0 == 1) {
         attend_one_token(qf.data(), rows, acc.data(), l.data(), context_scores, kf.data(), vf.data(), blocks, g,
-                         lut, b, h, layer, kv_begin, kv_end);
+                         lut, b, h, layer, kv_begin, kv_end, static_cast<A>(softcap));
       } else {
         attend_block(qf.data(), rows, G, acc.data(), m.data(), l.data(), scores.data(), kf.data(), vf.data(),
-                     blocks, g, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window);
+                     blocks, g, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window,
+                     static_cast<A>(softcap));
       }
       // -- write out: every row saw at least its own token, so l > 0 --
       for (int64_t r = 0; r < rows; ++r) {
@@ -488,11 +505,14 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             at::Tensor& kv_blocks, const at::Tensor& cache_lengths,
                             const at::Tensor& lookup_table, const at::Tensor& input_row_offsets,
                             const at::Tensor& max_lengths, int64_t layer_idx,
-                            std::optional<double> scale, std::optional<int64_t> sliding_window) {
+                            std::optional<double> scale, std::optional<int64_t> sliding_window,
+                            std::optional<double> softcap) {
   // shapes, dtypes and devices are checked by the caller (kvgraph.kernels.ops.check_inputs)
   TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
                     "sliding_window must be a positive int (keys seen, itself included) or None, got ",
                     *sliding_window);
+  TORCH_CHECK_VALUE(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0),
+                    "softcap must be a finite positive float or None, got ", *softcap);
   TORCH_CHECK_VALUE(kv_blocks.is_contiguous(), "kv_blocks must be contiguous, got strides ",
                     kv_blocks.strides());
   auto rows_contiguous = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
@@ -521,7 +541,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
     store_new_tokens(k, 0, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
     store_new_tokens(v, 1, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
     attend(q, out, blocks, g, items, offs, cl, lut, layer_idx, softmax_scale,
-           sliding_window.value_or(kNoWindow));
+           sliding_window.value_or(kNoWindow), softcap.value_or(0.0));
   });
   return out;
 }
@@ -533,7 +553,7 @@ TORCH_LIBRARY(kvgraph_cpu, m) {
   m.def(
       "ragged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, "
       "Tensor lookup_table, Tensor input_row_offsets, Tensor max_lengths, int layer_idx, "
-      "float? scale=None, int? sliding_window=None) -> Tensor");
+      "float? scale=None, int? sliding_window=None, float? softcap=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) { m.impl("ragged_attention", &kvgraph::ragged_attention); }

@@ -73,10 +73,13 @@ class KVCase:
             return int(self.lookup_table[b]), pos
         return int(self.lookup_table[b, pos // self.page_size]), pos % self.page_size
 
-    def golden(self, scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    def golden(
+        self, scale: float | None = None, sliding_window: int | None = None, softcap: float | None = None
+    ) -> torch.Tensor:
         """float64 ``[T, Hq, D]`` expected output."""
         return naive_attention_fp64(
-            self.q, self.k, self.v, self.k_cached, self.v_cached, self.input_row_offsets, scale, sliding_window
+            self.q, self.k, self.v, self.k_cached, self.v_cached, self.input_row_offsets, scale, sliding_window,
+            softcap,
         )
 
     def expected_blocks(self, before: torch.Tensor) -> torch.Tensor:

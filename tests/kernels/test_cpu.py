@@ -219,3 +219,128 @@ def test_cpp_never_reads_before_the_window(make_kv_case, check_against_golden, w
     hide_before_windows(case, window)
     fast = cpp.ragged_attention(*case.args(), sliding_window=window)
     check_against_golden(fast, case.golden(sliding_window=window), ref)
+
+
+# -- softcap: each score s = scale * q.k becomes c * tanh(s / c) before softmax --
+
+# (cached, new) tokens per sequence: prompts across several 16-token query blocks and 64-key tiles,
+# with and without a cached prefix; decode over a long cache (the two-pass path); a mix of both
+SOFTCAP_LENGTHS = {
+    "prefill": [(0, 97), (0, 40)],
+    "prefill_cached": [(45, 37), (130, 20), (50, 3)],
+    "decode": [(300, 1), (5, 1), (0, 1), (64, 1)],
+    "mixed": [(20, 1), (0, 17), (7, 9), (150, 1), (33, 40), (50, 3)],
+}
+# 1.0 caps nearly every score, 5.0 the large ones, 50.0 almost none
+SOFTCAPS = [1.0, 5.0, 50.0]
+# head_dim 16: with scale 1 the scores have std ~4, so the caps above bite to different degrees
+SOFTCAP_SCALE = 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, None], ids=["paged", "continuous"])
+@pytest.mark.parametrize("window", [None, 21], ids=["causal", "window21"])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("lengths", list(SOFTCAP_LENGTHS.values()), ids=list(SOFTCAP_LENGTHS))
+def test_softcap_matches_golden(impl, make_kv_case, check_against_golden, lengths, softcap, window, page_size,
+                                dtype):
+    case = make_kv_case(lengths, page_size=page_size, n_heads=8, n_kv_heads=2, dtype=dtype)
+    kwargs = {"scale": SOFTCAP_SCALE, "sliding_window": window, "softcap": softcap}
+    fast, ref = run_both(impl, case, **kwargs)
+    assert fast.dtype == dtype
+    check_against_golden(fast, case.golden(**kwargs), ref)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
+@pytest.mark.parametrize("lengths", [SOFTCAP_LENGTHS["decode"], SOFTCAP_LENGTHS["prefill_cached"]],
+                         ids=["decode", "prefill"])
+def test_softcap_gqa_ratios(impl, make_kv_case, check_against_golden, n_heads, n_kv_heads, lengths):
+    """With the default scale 1 / sqrt(D)."""
+    case = make_kv_case(lengths, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    fast, ref = run_both(impl, case, softcap=1.0)
+    check_against_golden(fast, case.golden(softcap=1.0), ref)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])
+def test_softcap_page_sizes(impl, make_kv_case, check_against_golden, cache_page_size, window):
+    case = make_kv_case(SOFTCAP_LENGTHS["mixed"], page_size=cache_page_size)
+    kwargs = {"scale": SOFTCAP_SCALE, "sliding_window": window, "softcap": 5.0}
+    fast, ref = run_both(impl, case, **kwargs)
+    check_against_golden(fast, case.golden(**kwargs), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_softcap_other_dtypes(impl, make_kv_case, check_against_golden, dtype):
+    case = make_kv_case(SOFTCAP_LENGTHS["mixed"], dtype=dtype)
+    kwargs = {"scale": SOFTCAP_SCALE, "softcap": 5.0}
+    fast, ref = run_both(impl, case, **kwargs)
+    assert fast.dtype == dtype
+    check_against_golden(fast, case.golden(**kwargs), ref)
+
+
+@pytest.mark.parametrize("head_dim", [20, 64, 80])
+def test_softcap_head_dims(impl, make_kv_case, check_against_golden, head_dim):
+    case = make_kv_case([(37, 1), (5, 19), (0, 3)], n_heads=8, n_kv_heads=2, head_dim=head_dim)
+    fast, ref = run_both(impl, case, softcap=1.0)
+    check_against_golden(fast, case.golden(softcap=1.0), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_matches_the_reference(impl, make_kv_case, reference_tol, dtype):
+    case = make_kv_case(SOFTCAP_LENGTHS["mixed"], n_heads=8, n_kv_heads=2, dtype=dtype)
+    fast, ref = run_both(impl, case, scale=SOFTCAP_SCALE, softcap=5.0)
+    torch.testing.assert_close(fast.double(), ref.double(), atol=2 * reference_tol[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [SOFTCAP_LENGTHS["decode"], SOFTCAP_LENGTHS["prefill_cached"]],
+                         ids=["decode", "prefill"])
+def test_softcap_changes_the_output(impl, make_kv_case, lengths):
+    """Scores large enough to be capped: the capped output is the capped golden's, far from the plain one."""
+    case = make_kv_case(lengths, n_heads=8, n_kv_heads=2)
+    capped = impl(*case.clone().args(), scale=SOFTCAP_SCALE, softcap=1.0)
+    plain = impl(*case.clone().args(), scale=SOFTCAP_SCALE)
+    assert (capped - plain).abs().max().item() > 0.1
+    golden = case.golden(scale=SOFTCAP_SCALE, softcap=1.0).float()
+    torch.testing.assert_close(capped, golden, atol=1e-4, rtol=0)
+    torch.testing.assert_close(plain, case.golden(scale=SOFTCAP_SCALE).float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [16, None], ids=["paged", "continuous"])
+def test_softcap_stores_exactly_the_new_rows(impl, make_kv_case, page_size):
+    case = make_kv_case(SOFTCAP_LENGTHS["mixed"], page_size=page_size)
+    before = case.kv_blocks.clone()
+    impl(*case.args(), softcap=5.0, sliding_window=3)
+    assert torch.equal(case.kv_blocks, case.expected_blocks(before))
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan")])
+def test_softcap_not_positive_is_refused(impl, make_kv_case, softcap):
+    case = make_kv_case([(20, 1), (0, 17)])
+    before = case.kv_blocks.clone()
+    with pytest.raises(CacheInputError, match=r"softcap must be a finite positive float or None, got"):
+        impl(*case.args(), softcap=softcap)
+    assert torch.equal(case.kv_blocks, before)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf")])
+def test_cpp_kernel_refuses_a_softcap_not_positive_before_writing(make_kv_case, softcap):
+    """The C++ op's own check, for callers that skip the Python wrapper's."""
+    case = make_kv_case([(20, 1), (0, 17)])
+    cpp.build()
+    before = case.kv_blocks.clone()
+    with pytest.raises(ValueError, match=r"softcap must be a finite positive float or None, got"):
+        torch.ops.kvgraph_cpu.ragged_attention(*case.args(), None, None, softcap)
+    assert torch.equal(case.kv_blocks, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16, None], ids=["page1", "page16", "continuous"])
+def test_cpp_softcap_never_reads_before_the_window(make_kv_case, check_against_golden, page_size, dtype):
+    """NaN before every window: capped scores of keys a row does not see stay masked."""
+    case = make_kv_case(WINDOW_LENGTHS["mixed"] + [(300, 2)], page_size=page_size, n_heads=8, n_kv_heads=2,
+                        dtype=dtype)
+    kwargs = {"scale": SOFTCAP_SCALE, "sliding_window": 21, "softcap": 5.0}
+    ref = reference.ragged_attention(*case.clone().args(), **kwargs)
+    hide_before_windows(case, 21)
+    fast = cpp.ragged_attention(*case.args(), **kwargs)
+    check_against_golden(fast, case.golden(**kwargs), ref)

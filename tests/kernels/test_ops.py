@@ -51,6 +51,12 @@ def test_opcheck_with_a_sliding_window(make_kv_case, page_size):
 
 
 @pytest.mark.parametrize("page_size", [4, None], ids=["paged", "continuous"])
+def test_opcheck_with_a_softcap(make_kv_case, page_size):
+    case = make_kv_case([(5, 3), (0, 7), (9, 1)], page_size=page_size)
+    torch.library.opcheck(OP.default, case.args(), {"sliding_window": 3, "softcap": 5.0})
+
+
+@pytest.mark.parametrize("page_size", [4, None], ids=["paged", "continuous"])
 def test_torch_compile_fullgraph_mutates_kv_blocks(make_kv_case, check_against_golden, page_size):
     case = make_kv_case([(5, 3), (0, 7), (9, 1)], page_size=page_size)
     before = case.kv_blocks.clone()
