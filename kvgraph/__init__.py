@@ -14,7 +14,7 @@ _EXPORTS = {
     "kvgraph.errors": [
         "KVCacheError", "InvalidParamsError", "UnknownSequenceError", "DuplicateSequenceError",
         "NoFreeSlotsError", "BatchSizeError", "BatchTypeError", "SequenceLengthError", "CacheInputError",
-        "StepError", "OutOfPagesError", "BindingError", "LoweringError", "RankFailedError",
+        "StepError", "OutOfPagesError", "BindingError", "LoweringError", "WindowNotShownError", "RankFailedError",
     ],
     "kvgraph.params": ["KVCacheParams", "KVCacheStrategy"],
     "kvgraph.symbols": [

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -216,10 +217,10 @@ class KVGraphBackend:
         runners: one :class:`GraphRunner` per graph received, in order.
     """
 
-    def __init__(self, options: BackendOptions | None = None) -> None:
+    def __init__(self, options: BackendOptions | None = None, model_windows: ModelWindows | None = None) -> None:
         self.options = options or BackendOptions()
         self.runners: list[GraphRunner] = []
-        self.model_windows = ModelWindows()
+        self.model_windows = model_windows if model_windows is not None else ModelWindows()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
@@ -246,7 +247,25 @@ def kvgraph_backend(
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
-    return KVGraphBackend(BackendOptions(**options))(gm, example_inputs)
+    return KVGraphBackend(BackendOptions(**options), _model_windows(example_inputs))(gm, example_inputs)
+
+
+_WINDOWS_BY_MODEL: dict[int, tuple[weakref.ref, ModelWindows]] = {}  # id(parameter) -> (its ref, windows)
+
+
+def _model_windows(example_inputs: Sequence) -> ModelWindows:
+    """By name each graph gets a backend of its own: the graphs of one model share what they learn
+    of its windows through the first parameter they read (Dynamo passes the model's own tensors)."""
+    first = next((x for x in example_inputs if isinstance(x, torch.nn.Parameter)), None)
+    if first is None:
+        return ModelWindows()
+    ref, windows = _WINDOWS_BY_MODEL.get(id(first), (None, None))
+    if ref is None or ref() is not first:
+        for key in [k for k, (r, _) in _WINDOWS_BY_MODEL.items() if r() is None]:
+            del _WINDOWS_BY_MODEL[key]  # models that are gone
+        windows = ModelWindows()
+        _WINDOWS_BY_MODEL[id(first)] = (weakref.ref(first), windows)
+    return windows
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -63,6 +63,12 @@ class LoweringError(RuntimeError):
     """A graph pass met an attention site (or graph) it cannot lower correctly."""
 
 
+class WindowNotShownError(LoweringError):
+    """A graph captured for a fixed token count ``T`` (Dynamo's ``T == 1``) has a mask with sizes
+    beyond ``T`` (a sliding window it cannot show), and no graph of several tokens of the same
+    model has been lowered yet to tell; lowering one first resolves it."""
+
+
 class RankFailedError(RuntimeError):
     """A rank of a tensor-parallel group died, hung past its timeout or could not start; the
     message names it. The group is shut down: the ``LLM`` that owned it takes no more steps."""

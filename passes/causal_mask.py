@@ -30,7 +30,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_aggregate
 
-from kvgraph.errors import LoweringError
+from kvgraph.errors import LoweringError, WindowNotShownError
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 from kvgraph.passes.patterns import static_size
 
@@ -169,10 +169,12 @@ class MaskProver:
             # The windows of a dynamic graph of the same model (``known_windows``) explain their
             # literals: the caller gives its sites those windows.
             T = self.token_count
-            beyond = sorted(c for c in literals if c > T and c not in self.known_windows) + sorted(
+            tables = sorted(
                 max(v.shape) for v in constants.values() if max(v.shape, default=0) > T and not is_causal_table(v))
+            beyond = sorted(c for c in literals if c > T and c not in self.known_windows) + tables
             if beyond:
-                raise LoweringError(
+                error = WindowNotShownError if not tables and not self.known_windows else LoweringError
+                raise error(
                     f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
                     f"tokens, but its mask uses the size {beyond[0]} (a sliding window?) it cannot be checked "
                     "at; lower a graph of several tokens of the same model first (kvgraph.LLM.warmup() "

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from kvgraph.engine.progress import CompileProgress
-from kvgraph.errors import BindingError, InvalidParamsError
+from kvgraph.errors import BindingError, InvalidParamsError, WindowNotShownError
 from kvgraph.inputs import RaggedKVCacheInputs
 
 SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
@@ -84,8 +84,17 @@ class ModelRunner:
         if first and self.progress is not None:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
-        with show or contextlib.nullcontext(), torch.inference_mode(), bind(kv_inputs, input_row_offsets):
-            out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+        with show or contextlib.nullcontext(), torch.inference_mode():
+            try:
+                with bind(kv_inputs, input_row_offsets):
+                    out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+            except WindowNotShownError:
+                # One token shows no sliding window: lower the several-token graph first (on a
+                # scratch cache, nothing of this step was written), then this one takes its windows.
+                if not one_token or not self._several_token_graph():
+                    raise
+                with bind(kv_inputs, input_row_offsets):
+                    out = self.compiled(input_ids=input_ids, position_ids=position_ids)
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start
@@ -101,6 +110,25 @@ class ModelRunner:
                 f"one row per sequence; it did not run the graph kvgraph lowered"
             )
         return logits[0]
+
+
+    def _several_token_graph(self) -> bool:
+        """Compile the model's graph of several tokens with a 2-token step on a scratch cache of
+        the compiled model's params; ``False`` where the model has no manager to copy."""
+        from kvgraph.managers.factory import load_kv_manager
+        from kvgraph.request import KVRequest
+        from kvgraph.step import run_step
+
+        manager = getattr(self.compiled, "manager", None)
+        if manager is None:
+            return False
+        scratch = load_kv_manager(manager.params, 1, max(2, manager.params.page_size or 2))
+        (seq,) = scratch.claim(1)
+        try:
+            run_step(self.compiled, scratch, [KVRequest(seq, [0, 0])])
+        finally:
+            scratch.release(seq)
+        return True
 
 
 def _logits(out: object) -> torch.Tensor:

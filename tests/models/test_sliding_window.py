@@ -9,10 +9,11 @@ windows of the several-token graph.
 import pytest
 import torch
 import transformers
-from tiny_models import COMMON, VOCAB, _build, reference_greedy
+from tiny_models import COMMON, VOCAB, _build, kv_params, make_manager, reference_greedy
 
 import kvgraph
-from kvgraph import LoweringError
+from kvgraph import KVRequest, WindowNotShownError
+from kvgraph.step import run_step
 
 NEW_TOKENS = 24
 PROMPTS = [[5, 9, 17, 33, 2, 8, 1, 4, 4, 4, 70], [7, 3], [100, 3, 3, 8, 64, 1]]
@@ -74,17 +75,29 @@ def test_one_sequence_decodes_through_the_one_token_graph():
         assert [s.sliding_window for s in lowered.result.sites] == [5, 5]
 
 
-def test_a_one_token_first_step_asks_for_a_several_token_graph_first():
-    """With no several-token graph yet, one token cannot show the window: a clear refusal, and
-    the engine's state is left usable (warmup, then the same request, works)."""
+def test_a_one_token_first_step_compiles_the_several_token_graph_first():
+    """The first step is one sequence of one token: the engine lowers the several-token graph on a
+    scratch cache first, so the one-token graph can take its windows; the output is generate's."""
     model = mistral(window=5)
     llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=64, page_size=4)
-    with pytest.raises(LoweringError, match=r"exactly 1 tokens, .*size 5 \(a sliding window\?\).*warmup"):
-        llm.generate([[9]], kvgraph.SamplingParams(max_new_tokens=3))
-    assert llm.manager.num_claimed == 0
-    llm.warmup()
     ref = reference_greedy(model, [9], 12).tokens[0]
     assert llm.generate([[9]], kvgraph.SamplingParams(max_new_tokens=12))[0].token_ids == ref
+    assert llm.manager.num_claimed == 0
+
+
+def test_without_a_several_token_graph_one_token_is_refused_clearly():
+    """By name there is no manager to copy a scratch cache from: the refusal says what to do, and
+    after a several-token step the one-token graph of the same model takes its windows."""
+    model = mistral(window=5)
+    compiled = torch.compile(model, backend="kvgraph", options={"inner": "eager"})
+    manager = make_manager(kv_params(model, "paged"))
+    (seq,) = manager.claim(1)
+    with pytest.raises(WindowNotShownError, match=r"exactly 1 tokens, .*size 5 \(a sliding window\?\).*warmup"):
+        run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [9])])
+    manager.release(seq)
+    (seq,) = manager.claim(1)
+    run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [9, 10, 11])])
+    run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [12])])  # now it lowers
 
 
 def test_the_default_mistral_window_of_4096_is_proven_and_kept():

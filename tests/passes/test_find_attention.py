@@ -147,8 +147,8 @@ def test_sliding_window_lowers_with_its_width_and_matches_eager_past_it(attn):
     cap = capture(TinyDecoder(attn), **model_kwargs())
     result = lower(cap.fresh())
     assert [s.sliding_window for s in result.sites] == [3, 3]
-    [call] = {tuple(n.args[-1:]) for n in lowered_ops(result.gm)}
-    assert call == (3,)  # the op carries the window
+    [call] = {tuple(n.args[-2:]) for n in lowered_ops(result.gm)}
+    assert call == (3, None)  # the op carries the window (and no soft-cap)
     # a prefill longer than the window, then chunks and single tokens that read the cache past it
     steps_against_eager(cap, result, [[[3, 5, 7, 11, 2], [13, 17]], [[19], [23, 29, 31, 37]], [[41, 43], [47]],
                                       [[53], [59]]])
@@ -174,7 +174,7 @@ def test_soft_capped_scores_lower_with_the_cap_and_match_eager():
     cap = capture(TinyDecoder(soft_capped(0.5)), **model_kwargs())
     result = lower(cap.fresh())
     assert [(s.softcap, s.scale) for s in result.sites] == [(0.5, 2.0)] * 2
-    assert {n.args[-1] for n in lowered_ops(result.gm)} == {0.5}
+    assert {tuple(n.args[-2:]) for n in lowered_ops(result.gm)} == {(None, 0.5)}
     assert not any("tanh" in str(n.target) for n in result.gm.graph.nodes)
     steps_against_eager(cap, result, [[[3, 5, 7, 11, 2], [13, 17]], [[19], [23, 29, 31]], [[41, 43], [47]]])
     uncapped = TinyDecoder(soft_capped(1e6))
