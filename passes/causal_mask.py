@@ -115,18 +115,19 @@ class MaskProver:
         sizes = self._check_sizes(site, nodes, leaves)
         offsets = POSITION_OFFSETS if has_positions else (0,)
         ordered = sorted(nodes | self.view.shape_sources(set(nodes)), key=self.view.order.__getitem__)
-        seen: dict[str, int | None] = {}  # where -> the window shown there (None: none)
+        seen: list[tuple[int, str, int | None]] = []  # (tokens, where, the window shown there or None)
         for T in sizes:
             for offset in offsets:
                 where = f"{T} tokens" + (f", positions starting at {offset}" if has_positions else "")
-                reason, seen[where] = _window_of(self._evaluate(site, ordered, nodes, effects, T, offset), T)
+                reason, w = _window_of(self._evaluate(site, ordered, nodes, effects, T, offset), T)
                 if reason is not None:
                     raise LoweringError(f"cannot lower attention {describe(site)}: its mask {reason} (at {where})")
-        windows = {w: where for where, w in seen.items() if w is not None}
+                seen.append((T, where, w))
+        windows = {w: where for _, where, w in reversed(seen) if w is not None}  # each at its first sighting
         window = min(windows, default=None)
-        for where, w in seen.items():
+        for T, where, w in seen:
             # one window everywhere: it shows at every size above it, never below
-            if window is not None and w != window and (w is not None or int(where.split()[0]) > window):
+            if window is not None and w != window and (w is not None or T > window):
                 other = "no earlier token hidden" if w is None else f"a window of {w} tokens"
                 raise LoweringError(
                     f"cannot lower attention {describe(site)}: its mask is a sliding window of {window} tokens at "

@@ -241,7 +241,7 @@ def _match_explicit(softmax: Node) -> _Match:
             "(bidirectional attention is not causal)"
         )
     body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in chain)})
-    body = body | {n for n in steps[1]}
+    body |= {n for n, _ in steps[1]}  # with the soft-cap's nodes
     return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body, softcap)
 
 
@@ -264,7 +264,7 @@ def _soft_cap(softmax: Node, chain: list[tuple[Node, int]]) -> tuple[list[tuple[
         raise refuse("tanh on the attention scores is not one soft-cap '/ c -> tanh -> * c'")
     (div, div_pos), (mul, _) = ops[i - 1], ops[i + 1]
     cap_in = div.args[1] if P.is_call(div, P.DIV) and div_pos == 0 and len(div.args) == 2 else None
-    cap_out = next((a for j, a in enumerate(mul.args) if a is not ops[i][0]), None) if P.is_call(mul, P.MUL) else None
+    cap_out = next((a for a in mul.args if a is not ops[i][0]), None) if P.is_call(mul, P.MUL) else None
     c_in, c_out = _scalar_value(cap_in), _scalar_value(cap_out)
     if c_in is None or c_in != c_out or not c_in > 0:
         raise refuse(f"tanh on the attention scores between '{div.name}' and '{mul.name}' is not a soft-cap "
