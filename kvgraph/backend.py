@@ -139,10 +139,12 @@ class GraphRunner:
     Args:
         gm: the graph Dynamo captured (kept unmodified; each layout lowers a copy).
         options: the backend's options.
+        model_windows: what the model's graphs learnt of its sliding windows (shared by its runners).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, options: BackendOptions, model_windows: ModelWindows | None = None,
-                 ) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, options: BackendOptions, model_windows: ModelWindows | None = None
+    ) -> None:
         self.gm = gm
         self.options = options
         self.model_windows = model_windows if model_windows is not None else ModelWindows()
