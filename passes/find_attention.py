@@ -240,8 +240,7 @@ def _match_explicit(softmax: Node) -> _Match:
             f"cannot lower attention {describe(softmax)}: no mask between the scores and softmax "
             "(bidirectional attention is not causal)"
         )
-    body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in chain)})
-    body |= {n for n, _ in steps[1]}  # with the soft-cap's nodes
+    body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in steps[1])})  # with a soft-cap's nodes
     return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body, softcap)
 
 

@@ -84,17 +84,20 @@ class ModelRunner:
         if first and self.progress is not None:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
+
+        def call():
+            with bind(kv_inputs, input_row_offsets):
+                return self.compiled(input_ids=input_ids, position_ids=position_ids)
+
         with show or contextlib.nullcontext(), torch.inference_mode():
             try:
-                with bind(kv_inputs, input_row_offsets):
-                    out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+                out = call()
             except WindowNotShownError:
                 # One token shows no sliding window: lower the several-token graph first (on a
                 # scratch cache, nothing of this step was written), then this one takes its windows.
                 if not one_token or not self._several_token_graph():
                     raise
-                with bind(kv_inputs, input_row_offsets):
-                    out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+                out = call()
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start

@@ -150,15 +150,6 @@ def test_sliding_window_other_dtypes(impl, make_kv_case, check_against_golden, d
     check_against_golden(fast, case.golden(sliding_window=21), ref)
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
-@pytest.mark.parametrize("lengths", [WINDOW_LENGTHS["decode"], WINDOW_LENGTHS["prefill_cached"]],
-                         ids=["decode", "prefill"])
-def test_sliding_window_gqa_ratios(impl, make_kv_case, check_against_golden, n_heads, n_kv_heads, lengths):
-    case = make_kv_case(lengths, n_heads=n_heads, n_kv_heads=n_kv_heads)
-    fast, ref = run_both(impl, case, sliding_window=21)
-    check_against_golden(fast, case.golden(sliding_window=21), ref)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 21])
 def test_sliding_window_matches_the_reference(impl, make_kv_case, reference_tol, window, dtype):
@@ -252,13 +243,15 @@ def test_softcap_matches_golden(impl, make_kv_case, check_against_golden, length
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa2", "gqa8"])
-@pytest.mark.parametrize("lengths", [SOFTCAP_LENGTHS["decode"], SOFTCAP_LENGTHS["prefill_cached"]],
-                         ids=["decode", "prefill"])
-def test_softcap_gqa_ratios(impl, make_kv_case, check_against_golden, n_heads, n_kv_heads, lengths):
+@pytest.mark.parametrize("batch", ["decode", "prefill_cached"], ids=["decode", "prefill"])
+@pytest.mark.parametrize(("option", "lengths"), [({"sliding_window": 21}, WINDOW_LENGTHS),
+                                                 ({"softcap": 1.0}, SOFTCAP_LENGTHS)], ids=["window", "softcap"])
+def test_window_and_softcap_gqa_ratios(impl, make_kv_case, check_against_golden, n_heads, n_kv_heads, batch,
+                                       option, lengths):
     """With the default scale 1 / sqrt(D)."""
-    case = make_kv_case(lengths, n_heads=n_heads, n_kv_heads=n_kv_heads)
-    fast, ref = run_both(impl, case, softcap=1.0)
-    check_against_golden(fast, case.golden(softcap=1.0), ref)
+    case = make_kv_case(lengths[batch], n_heads=n_heads, n_kv_heads=n_kv_heads)
+    fast, ref = run_both(impl, case, **option)
+    check_against_golden(fast, case.golden(**option), ref)
 
 
 @pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])

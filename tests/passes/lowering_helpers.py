@@ -208,6 +208,21 @@ def run_step(
     return out[0]
 
 
+def steps_against_eager(
+    captured: Captured, result, steps: Sequence[Sequence[Sequence[int]]], max_len: int = 32,
+    atol: float = 1e-5, rtol: float = 0.0,
+) -> None:
+    """Run ``steps`` (per step, the new tokens of each sequence) of ``result``'s lowered graph over
+    one cache; each step's logits must be eager's for the whole sequence so far."""
+    cache = RaggedCache(result.params, batch=len(steps[0]), max_len=max_len)
+    seen: list[list[int]] = [[] for _ in steps[0]]
+    for step in steps:
+        logits = run_step(result.gm, captured, cache, step)
+        for b, new in enumerate(step):
+            seen[b] += new
+            torch.testing.assert_close(logits[0, b], eager_last_logits(captured.model, seen[b]), atol=atol, rtol=rtol)
+
+
 def eager_last_logits(model: nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     """The model's own logits for the last of ``tokens`` (one sequence, positions from 0)."""
     device = next(model.parameters()).device

@@ -19,6 +19,7 @@ from lowering_helpers import (
     lowered_ops,
     model_kwargs,
     run_step,
+    steps_against_eager,
     tiny_llama,
     tiny_qwen2,
 )
@@ -128,18 +129,6 @@ def explicit_sliding_window(q, k, v):
     scores = scores.masked_fill(~causal_bool(q.shape[2]), float("-inf"))
     scores = scores.masked_fill(i[:, None] - i[None, :] >= 3, float("-inf"))
     return torch.softmax(scores, dim=-1) @ repeat_kv(v, 2)
-
-
-def steps_against_eager(cap, result, chunks: list[list[list[int]]]) -> None:
-    """Run ``chunks`` (per step, the new tokens of each sequence) over one cache; each step's
-    logits must be eager's for the whole sequence so far."""
-    cache = RaggedCache(result.params, batch=len(chunks[0]), max_len=32)
-    seen = [[] for _ in chunks[0]]
-    for step in chunks:
-        logits = run_step(result.gm, cap, cache, step)
-        for b, new in enumerate(step):
-            seen[b] += new
-            torch.testing.assert_close(logits[0, b], eager_last_logits(cap.model, seen[b]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("attn", [sdpa_sliding_window, explicit_sliding_window], ids=lambda f: f.__name__)

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lowering_helpers import VOCAB, RaggedCache, capture, eager_last_logits, run_step
+from lowering_helpers import VOCAB, capture, steps_against_eager
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes.pipeline import lower
@@ -245,7 +245,7 @@ def lowered(spec: Spec):
 
 
 def check(spec: Spec, run: Run) -> None:
-    model, captured, result = lowered(spec)
+    _, captured, result = lowered(spec)
     if spec.must_refuse:
         assert isinstance(result, LoweringError), f"{spec.mask} was lowered"
         return
@@ -254,16 +254,10 @@ def check(spec: Spec, run: Run) -> None:
     window = WINDOW if spec.mask == "sliding_window" else None
     assert [s.sliding_window for s in result.sites] == [window] * spec.n_layer
     assert result.params.n_kv_heads == spec.n_kv_heads  # K/V cached un-repeated
-    cache = RaggedCache(result.params, batch=2, max_len=16)
     g = torch.Generator().manual_seed(run.seed)
     steps = [[torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
              for lengths in (run.prompts, *run.chunks)]
-    histories: list[list[int]] = [[], []]
-    for new in steps:
-        logits = run_step(result.gm, captured, cache, new)[0]  # [2, V]
-        for b, tokens in enumerate(new):
-            histories[b] += tokens
-            torch.testing.assert_close(logits[b], eager_last_logits(model, histories[b]), atol=1e-4, rtol=1e-4)
+    steps_against_eager(captured, result, steps, max_len=16, atol=1e-4, rtol=1e-4)
 
 
 @settings(PROFILE)

@@ -66,14 +66,20 @@ def test_default_scale_is_inverse_sqrt_head_dim(make_kv_case):
     assert checks.check_launch(*case.args(), scale=0.5).scale == 0.5
 
 
-@pytest.mark.parametrize("window", [0, -3, True, 2.5])
-def test_sliding_window_must_be_a_positive_int(make_kv_case, window):
+BAD_OPTIONS = [("sliding_window", w, "sliding_window must be a positive int") for w in (0, -3, True, 2.5)] + [
+    ("softcap", c, "softcap must be a finite positive float")
+    for c in (0.0, 0, -1.0, float("nan"), float("inf"), -float("inf"))
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), BAD_OPTIONS)
+def test_bad_window_or_softcap_is_refused_before_anything_is_written(make_kv_case, option, value, message):
     case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
     before = case.kv_blocks.clone()
-    with pytest.raises(CacheInputError, match="sliding_window must be a positive int"):
-        checks.check_launch(*case.args(), sliding_window=window)
-    with pytest.raises(CacheInputError, match="sliding_window must be a positive int"):
-        ragged_attention(*case.args(), sliding_window=window)
+    with pytest.raises(CacheInputError, match=message):
+        checks.check_launch(*case.args(), **{option: value})
+    with pytest.raises(CacheInputError, match=message):
+        ragged_attention(*case.args(), **{option: value})
     assert torch.equal(case.kv_blocks, before)
 
 
@@ -84,17 +90,6 @@ def test_sliding_window_as_the_kernels_take_it(make_kv_case):
     assert {w: p.window for w, p in plans.items()} == {None: 0, 1: 1, 5: 5, 31: 31, 32: 0, 10**12: 0}
     # keys one query attends, which sizes the decode splits: the longest context 11, or the window
     assert {w: p.max_keys for w, p in plans.items()} == {None: 11, 1: 1, 5: 5, 31: 11, 32: 11, 10**12: 11}
-
-
-@pytest.mark.parametrize("softcap", [0.0, 0, -1.0, float("nan"), float("inf"), -float("inf")])
-def test_softcap_must_be_finite_and_positive(make_kv_case, softcap):
-    case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
-    before = case.kv_blocks.clone()
-    with pytest.raises(CacheInputError, match="softcap must be a finite positive float"):
-        checks.check_launch(*case.args(), softcap=softcap)
-    with pytest.raises(CacheInputError, match="softcap must be a finite positive float"):
-        ragged_attention(*case.args(), softcap=softcap)
-    assert torch.equal(case.kv_blocks, before)
 
 
 def test_softcap_as_the_kernels_take_it(make_kv_case):
