@@ -7,7 +7,8 @@ First the workload runs through ``kvgraph.LLM`` in this process (compiled and wa
 ``generate`` call with all prompts: the engine's own throughput), ``--repeats`` times. Then the same engine settings
 run as ``kvgraph serve`` in a subprocess, and ``--concurrency`` asyncio clients (``httpx2``, the
 ``openai`` package's HTTP client) send the prompts as streamed ``/v1/completions`` requests,
-timing each chunk, ``--repeats`` times. The fastest run of each side counts. Greedy texts must equal the engine's before any figure is printed. Reports
+timing each chunk, ``--repeats`` times. The fastest run of each side counts. Both sides run with
+prefix caching off, so no repeat is served by the pages an earlier one cached. Greedy texts must equal the engine's before any figure is printed. Reports
 requests/s, tokens/s, time to first token and inter-token latency percentiles, and
 ``http_vs_engine`` (server tokens/s ÷ engine tokens/s; the issue's target: > 0.9 at 32 streams).
 
@@ -49,7 +50,7 @@ def engine_run(args, prompts: list[list[int]], max_new_tokens: int) -> dict:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_preset(args.model)
     llm = LLM(model, tokenizer=tokenizer, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-              compile=args.compile)
+              compile=args.compile, enable_prefix_caching=False)
     llm.warmup()
     elapsed = []
     for _ in range(args.repeats):
@@ -114,7 +115,7 @@ def main() -> None:
     engine = engine_run(args, prompts, new)
 
     flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
-             "--max-seq-len", str(args.max_seq_len)] + (["--threads", str(args.threads)] if args.threads else [])
+             "--max-seq-len", str(args.max_seq_len), "--no-prefix-caching"] + (["--threads", str(args.threads)] if args.threads else [])
     server = ServerProcess(*flags)
     try:
         url = server.wait_ready()

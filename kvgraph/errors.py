@@ -74,5 +74,10 @@ class RankFailedError(RuntimeError):
     message names it. The group is shut down: the ``LLM`` that owned it takes no more steps."""
 
 
-KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError, RankFailedError)
+class WarmCacheError(RuntimeError):
+    """A timed benchmark run began with prefixes in the cache: what an earlier run left behind would
+    make its figure a cache hit, not a measurement."""
+
+
+KVGRAPH_ERRORS = (KVCacheError, BindingError, LoweringError, RankFailedError, WarmCacheError)
 """Every error kvgraph raises on purpose: a caller's mistake, a model it cannot serve, a lost rank."""

@@ -25,6 +25,8 @@ class SystemResult:
         kv_allocated_bytes: KV memory the system set aside.
         kv_peak_bytes: KV memory held by sequences at the busiest moment (``None``: not measured).
         kv_waste: fraction of held KV slots that held no token (padding, page slack; ``None``: not measured).
+        cached_before_tokens: tokens the prefix cache held when the timed run began (``None``: no prefix cache).
+        prefix_hit_tokens: prompt tokens the prefix cache served during the run (``None``: no prefix cache).
     """
 
     name: str
@@ -35,6 +37,8 @@ class SystemResult:
     kv_allocated_bytes: int | None = None
     kv_peak_bytes: int | None = None
     kv_waste: float | None = None
+    cached_before_tokens: int | None = None
+    prefix_hit_tokens: int | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -23,6 +23,7 @@ from kvgraph.cli.common import (
 )
 from kvgraph.cli.divergence import NOISE_FACTOR, explain
 from kvgraph.cli.floor import FLOOR_DESCRIPTION, matmul_floor
+from kvgraph.cli.flops import PEAK_SIZE, gemm_peak_gflops, workload_flops
 from kvgraph.cli.report import (
     SPEEDUP_LEGEND,
     agreement,
@@ -32,7 +33,7 @@ from kvgraph.cli.report import (
     summarize_floor,
     ttft_note,
 )
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import InvalidParamsError, WarmCacheError
 from kvgraph.workloads import WORKLOADS, Workload, make_workload
 
 BASELINES = ("hf-generate", "hf-generate-batch")
@@ -77,11 +78,19 @@ def parse_baselines(text: str) -> list[str]:
 
 
 def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, int]]]:
-    """Warm up (compile), then run the workload with EOS ignored. Returns the result and the
-    ``(new tokens, sequences)`` of every model call of the timed run."""
+    """Warm up (compile), forget every cached prefix, then run the workload with EOS ignored.
+    Returns the result and the ``(new tokens, sequences)`` of every model call of the timed run.
+
+    The run starts from an empty prefix cache, so a repeat is never served by what an earlier run
+    (or the warm-up) left behind: ``WarmCacheError`` if it would be. Hits inside the run (the
+    shared system prompt of ``shared-prefix``; with a small vocabulary, prompts that begin alike by
+    chance) are counted in ``prefix_hit_tokens``."""
     from kvgraph.engine import SamplingParams
 
     llm.warmup()
+    llm.reset_prefix_cache()
+    llm.reset_stats()
+    cached_before = llm.manager.cached_prefix_tokens
     sampling = SamplingParams(max_new_tokens=workload.max_new_tokens, ignore_eos=True)
     with llm.runner.record_shapes() as call_shapes:
         start = time.perf_counter()
@@ -93,9 +102,21 @@ def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, 
         ttft_s=[c.token_times[0] - start for c in completions],
         itl_s=[x for c in completions for x in c.inter_token_latencies],
         kv_allocated_bytes=stats["kv_allocated_bytes"], kv_peak_bytes=stats["kv_peak_bytes"],
-        kv_waste=stats["kv_waste"],
+        kv_waste=stats["kv_waste"], cached_before_tokens=cached_before,
+        prefix_hit_tokens=stats["prefix_hit_tokens"],
     )
+    check_cold(workload, result)
     return result, call_shapes
+
+
+def check_cold(workload: Workload, result: SystemResult) -> None:
+    """Raise ``WarmCacheError`` if the timed run of ``workload`` began with prefixes in the cache:
+    its hits would then be what an earlier run left, not what the workload itself shares."""
+    if result.cached_before_tokens:
+        raise WarmCacheError(
+            f"the timed run of {workload.name!r} began with {result.cached_before_tokens} tokens in the "
+            "prefix cache; its figure would measure what an earlier run left"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             log(f"explaining {a['requests'] - a['identical']} mismatches vs {a['system']} with the model's own logits")
             a["divergences"] = explain(model, workload.prompts, kvgraph.outputs, result.outputs)
             a["within_rounding"] = sum(d["within_rounding"] for d in a["divergences"])
+    compute = compute_report(model, workload, results, llm.params.dtype)
     vs_floor = kvgraph.elapsed_s / floor_s if floor_s is not None else None
     notes = [n for n in map(ttft_note, results) if n is not None]
     print(format_table(rows))
@@ -160,13 +182,15 @@ def run(args: argparse.Namespace) -> int:
     if vs_floor is not None:
         floor_text = f"{floor_s:.2f} s" if floor_s >= 1 else f"{floor_s * 1e3:.2f} ms"
         print(f"kvgraph: {vs_floor:.2f}x the matmul floor (floor {floor_text}: {FLOOR_DESCRIPTION})")
+    for line in compute_lines(compute):
+        print(line)
     for a in agree:
         print(agreement_text(a))
     report = {
         "model": args.model, "workload": workload.name, "requests": len(workload.prompts),
         "max_new_tokens": workload.max_new_tokens, "device": str(llm.device), "dtype": str(llm.params.dtype),
         "torch_threads": torch.get_num_threads(), "cache": args.cache, "results": rows,
-        "kvgraph_vs_floor": vs_floor, "agreement": agree, "notes": notes, "kvgraph_stats": llm.stats(),
+        "kvgraph_vs_floor": vs_floor, "compute": compute, "agreement": agree, "notes": notes, "kvgraph_stats": llm.stats(),
     }
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report, indent=2))
@@ -180,6 +204,31 @@ def run(args: argparse.Namespace) -> int:
               "other than at near-ties of the model's own logits (--allow-mismatch accepts this)", file=sys.stderr)
         return 1
     return 0
+
+
+def compute_report(model, workload: Workload, results: list[SystemResult], dtype: torch.dtype) -> dict:
+    """The workload's FLOPs, a large GEMM's GFLOP/s measured now (the machine's practical peak), and
+    each system's achieved GFLOP/s and share of that peak."""
+    flops = workload_flops(model, workload)
+    peak = gemm_peak_gflops(dtype)
+    systems = {}
+    for r in results:
+        achieved = flops.total / r.elapsed_s / 1e9
+        systems[r.name] = {"gflops": achieved, "pct_of_gemm_peak": 100 * achieved / peak}
+    return {
+        "workload_gflop": flops.total / 1e9, "linear_gflop": flops.linear / 1e9,
+        "output_projection_gflop": flops.output_projection / 1e9, "attention_gflop": flops.attention / 1e9,
+        "gemm_peak_gflops": peak, "systems": systems,
+    }
+
+
+def compute_lines(compute: dict) -> list[str]:
+    """``SYSTEM: X GFLOP/s, Y% of the GEMM peak`` per system, after one line on the workload."""
+    lines = [f"workload: {compute['workload_gflop']:.1f} GFLOP; a {PEAK_SIZE}^3 GEMM ran at "
+             f"{compute['gemm_peak_gflops']:.1f} GFLOP/s in this process (the practical peak)"]
+    for name, s in compute["systems"].items():
+        lines.append(f"{name}: {s['gflops']:.1f} GFLOP/s achieved, {s['pct_of_gemm_peak']:.0f}% of that peak")
+    return lines
 
 
 def agreement_text(a: dict) -> str:

@@ -499,6 +499,13 @@ class LLM:
         }
 
     @_locked
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no running request holds, so that later prompts are
+        computed whatever earlier requests left; returns the pages forgotten. A benchmark calls it
+        before each timed run: a repeat must not be served by what the previous one cached."""
+        return self.manager.reset_prefix_cache()
+
+    @_locked
     def reset_stats(self) -> None:
         self._stats = EngineStats()
         self._record_pages()

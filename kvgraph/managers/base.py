@@ -291,6 +291,16 @@ class KVCacheManager(abc.ABC):
         """
         return 0
 
+    @property
+    def cached_prefix_tokens(self) -> int:
+        """Tokens a prefix cache can serve; always 0 without one."""
+        return 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no sequence holds; returns the pages forgotten (always 0
+        without a prefix cache)."""
+        return 0
+
     # -- steps --
     def can_fetch(self, batch: Sequence[KVRequest], num_steps: int = 1) -> bool:
         """Whether ``fetch(batch, num_steps)`` would find enough cache; caller mistakes still raise."""

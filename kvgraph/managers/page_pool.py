@@ -138,6 +138,16 @@ class PagePool:
                 m.partial, m.partial_len = page, n
         return m
 
+    def forget_free(self) -> int:
+        """Forget the cached contents of every page no sequence holds; return how many were forgotten.
+
+        Pages held by a sequence keep their hashes. With nothing running afterwards, no later
+        ``match`` finds anything that was computed before."""
+        free = [page for page in self.pages if page.ref_count == 0 and page.block_hash is not None]
+        for page in free:
+            self._evict(page)
+        return len(free)
+
     def _evict(self, page: Page) -> None:
         """Forget ``page``'s cached contents (it is being reallocated)."""
         if page.block_hash is None:

@@ -150,6 +150,20 @@ class PagedKVCacheManager(KVCacheManager):
         with self._lock:
             return self._match(tokens).num_tokens(self.page_size)
 
+    @property
+    def cached_prefix_tokens(self) -> int:
+        """Tokens the prefix cache can serve: its full pages (held or free) times ``page_size``."""
+        with self._lock:
+            return self._pool.num_cached * self.page_size
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no sequence holds (as vLLM's ``reset_prefix_cache``), so that
+        the next prompts are computed whatever ran before; returns the pages forgotten. The pages
+        stay free; held pages and their sequences are untouched."""
+        with self._lock:
+            self._matches.clear()
+            return self._pool.forget_free()
+
     def pages_of(self, seq_id: int) -> list[int]:
         """``logical_page -> physical_page`` of ``seq_id``."""
         with self._lock:

@@ -27,6 +27,12 @@ def test_bench_compares_with_both_hf_baselines_and_writes_json_and_png(kvgraph_c
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy outputs vs hf-generate: 4/4 requests identical" in done.stdout
     assert "x the matmul floor (floor " in done.stdout
+    compute = report["compute"]
+    assert compute["workload_gflop"] > compute["linear_gflop"] > 0 and compute["gemm_peak_gflops"] > 0
+    for system, row in rows.items():
+        achieved = compute["systems"][system]["gflops"]
+        assert abs(achieved - compute["workload_gflop"] / row["elapsed_s"]) < 1e-6 * achieved
+        assert f"{system}: {achieved:.1f} GFLOP/s achieved" in done.stdout
     assert "speed-up vs system: kvgraph's tokens/s / the system's" in done.stdout
     # 4 requests, --max-batch-size 4: HF's padded generate runs them as one batch
     note = "hf-generate: ttft p50 == p99 since all 4 requests ran in one batch"

@@ -112,3 +112,16 @@ def test_eviction_forgets_hash_and_partial_candidates():
     (again,) = pool.allocate(1)
     assert again is page and page.block_hash is None and pool.num_cached == 0
     assert pool.match([1, 2, 3], 2).num_tokens(2) == 0
+
+
+def test_forget_free_drops_the_hashes_of_free_pages_and_keeps_held_ones():
+    pool = PagePool(6, page_size=2)
+    _cache_chain(pool, [1, 2, 3, 4])  # two free cached pages
+    held = pool.allocate(1)[0]
+    pool.register(held, ROOT_HASH, [7, 8])
+    assert pool.num_cached == 3 and pool.match([1, 2, 3, 4, 5], limit=5).num_tokens(2) == 4
+    assert pool.forget_free() == 2
+    assert pool.num_cached == 1 and pool.num_free == 5
+    assert pool.match([1, 2, 3, 4, 5], limit=5).num_tokens(2) == 0
+    assert pool.match([7, 8, 9], limit=3).pages == [held]
+    assert pool.forget_free() == 0
