@@ -83,8 +83,8 @@ def fits(nbytes: int, device: str) -> bool:
 def decode_row(batch: int, context: int, args: argparse.Namespace, device: str, timer: Callable,
                peak: float | None) -> dict:
     """Time and KV-read bandwidth of one decode step of ``batch`` sequences over ``context`` positions."""
-    from kvgraph.kernels.triton import ragged_attention
-    from kvgraph.kernels.triton.decode import choose_num_splits, multiprocessors
+    from kvgraph.ops.triton import ragged_attention
+    from kvgraph.ops.triton.decode import choose_num_splits, multiprocessors
 
     nbytes = kv_bytes(batch, context, args)
     row = {"batch": batch, "context": context, "kv_bytes": nbytes}
@@ -104,9 +104,9 @@ def decode_row(batch: int, context: int, args: argparse.Namespace, device: str, 
 
 def prefill_row(length: int, args: argparse.Namespace, device: str, timer: Callable) -> dict:
     """Op, attention kernel and SDPA times of ``--prefill-batch`` prompts of ``length`` tokens."""
-    from kvgraph.kernels.triton import ragged_attention
-    from kvgraph.kernels.triton.layout import PagedLayer
-    from kvgraph.kernels.triton.prefill import launch_prefill
+    from kvgraph.ops.triton import ragged_attention
+    from kvgraph.ops.triton.layout import PagedLayer
+    from kvgraph.ops.triton.prefill import launch_prefill
 
     batch, group = args.prefill_batch, args.heads // args.kv_heads
     step = make_step(batch, 0, length, args, device)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvgraph.kernels import cpp, cpu, reference
+from kvgraph.ops import cpp, cpu, reference
 
 SHAPES = {
     "decode": {"batch": 16, "cached": [1023] * 16, "new": 1},

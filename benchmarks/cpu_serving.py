@@ -5,15 +5,15 @@ machine's GEMM peak.
 
 For each workload (``mixed``, ``decode-heavy``, ``shared-prefix``) it runs, in this order and
 ``--repeats`` times: kvgraph (compiled and warmed up once: the compiled graphs are the only thing a
-repeat reuses), the matmul floor on the call shapes kvgraph recorded (``kvgraph/cli/floor.py``), and
+repeat reuses), the matmul floor on the call shapes kvgraph recorded (``kvgraph/entrypoints/cli/floor.py``), and
 HF ``generate`` on left-padded batches of ``--max-batch-size``. Every kvgraph repeat starts from an
 empty prefix cache (``LLM.reset_prefix_cache``) and raises if a workload without shared prefixes
-still hits it (``kvgraph/cli/bench.py::check_cold``), so no repeat is served by an earlier one;
+still hits it (``kvgraph/entrypoints/cli/bench.py::check_cold``), so no repeat is served by an earlier one;
 ``shared-prefix`` reports its hits inside the run and that nothing was cached before it. Greedy
 outputs must agree with HF's (in bf16/fp16: or part only where the model's own rounding error covers
-the gap, ``kvgraph/cli/divergence.py``) before any figure is printed. On ``shared-prefix`` a second
+the gap, ``kvgraph/entrypoints/cli/divergence.py``) before any figure is printed. On ``shared-prefix`` a second
 engine with prefix caching off runs the same prompts. Achieved GFLOP/s are the workload's FLOPs
-(``kvgraph/cli/flops.py``) over wall time, beside a large GEMM's best rate measured before each repeat.
+(``kvgraph/entrypoints/cli/flops.py``) over wall time, beside a large GEMM's best rate measured before each repeat.
 Reports medians over repeats and each ratio beside its target as JSON.
 """
 
@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from kvgraph.cli.baselines import hf_generate
-from kvgraph.cli.bench import run_kvgraph
-from kvgraph.cli.common import DTYPES
-from kvgraph.cli.divergence import explain
-from kvgraph.cli.floor import matmul_floor
-from kvgraph.cli.flops import gemm_peak_gflops, workload_flops
 from kvgraph.engine import LLM
+from kvgraph.entrypoints.cli.baselines import hf_generate
+from kvgraph.entrypoints.cli.bench import run_kvgraph
+from kvgraph.entrypoints.cli.common import DTYPES
+from kvgraph.entrypoints.cli.divergence import explain
+from kvgraph.entrypoints.cli.floor import matmul_floor
+from kvgraph.entrypoints.cli.flops import gemm_peak_gflops, workload_flops
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 

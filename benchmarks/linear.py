@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvgraph.kernels import linear as packed
+from kvgraph.ops import linear as packed
 
 
 def median_ms(fn, repeats: int) -> float:

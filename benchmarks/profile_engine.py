@@ -17,8 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvgraph.cli.common import DTYPES
 from kvgraph.engine import LLM, SamplingParams
+from kvgraph.entrypoints.cli.common import DTYPES
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 

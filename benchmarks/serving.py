@@ -29,8 +29,8 @@ import httpx2
 import torch
 
 from kvgraph.engine import LLM, SamplingParams
+from kvgraph.entrypoints.serve.launch import ServerProcess
 from kvgraph.presets import load_preset
-from kvgraph.serve.launch import ServerProcess
 from kvgraph.workloads import make_workload, workload_names
 
 

@@ -16,25 +16,25 @@ _EXPORTS = {
         "NoFreeSlotsError", "BatchSizeError", "BatchTypeError", "SequenceLengthError", "CacheInputError",
         "StepError", "OutOfPagesError", "BindingError", "LoweringError", "WindowNotShownError", "RankFailedError",
     ],
-    "kvgraph.params": ["KVCacheParams", "KVCacheStrategy"],
-    "kvgraph.symbols": [
+    "kvgraph.cache.params": ["KVCacheParams", "KVCacheStrategy"],
+    "kvgraph.cache.symbols": [
         "TensorType", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "PaddedKVCacheInputSymbols",
-    ],
-    "kvgraph.inputs": [
-        "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs", "KVCacheInputsSequence",
-    ],
-    "kvgraph.request": ["KVRequest"],
-    "kvgraph.managers": [
-        "KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager", "load_kv_manager",
         "ragged_input_symbols",
     ],
-    "kvgraph.collection": [
+    "kvgraph.cache.inputs": [
+        "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs", "KVCacheInputsSequence",
+    ],
+    "kvgraph.cache.request": ["KVRequest"],
+    "kvgraph.cache.managers": [
+        "KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager", "load_kv_manager",
+    ],
+    "kvgraph.cache.collection": [
         "ContinuousBatchingKVCacheCollection", "PagedKVCacheCollection",
         "ContinuousBatchingKVCache", "PagedKVCache", "collection_for",
     ],
-    "kvgraph.runtime": ["bind"],
-    "kvgraph.step": ["prepare_step", "run_step"],
-    "kvgraph.backend": ["compile", "kvgraph_backend"],
+    "kvgraph.compiler.runtime": ["bind"],
+    "kvgraph.compiler.step": ["prepare_step", "run_step"],
+    "kvgraph.compiler.backend": ["compile", "kvgraph_backend"],
     "kvgraph.engine": ["LLM", "SamplingParams", "Completion"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvgraph.cli import main
+from kvgraph.entrypoints.cli import main
 
 sys.exit(main())

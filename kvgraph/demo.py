@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
-from kvgraph.inputs import RaggedKVCacheInputs
-from kvgraph.kernels.reference import GOLDEN_TOLERANCE, naive_attention_fp64
-from kvgraph.managers import KVCacheManager, load_kv_manager
-from kvgraph.params import KVCacheParams, KVCacheStrategy
-from kvgraph.request import KVRequest
+import kvgraph.ops  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
+from kvgraph.cache.inputs import RaggedKVCacheInputs
+from kvgraph.cache.managers import KVCacheManager, load_kv_manager
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.request import KVRequest
+from kvgraph.ops.reference import GOLDEN_TOLERANCE, naive_attention_fp64
 
 attention = torch.ops.kvgraph.ragged_attention
 

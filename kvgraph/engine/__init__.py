@@ -1,6 +1,6 @@
 """The continuous-batching engine: ``LLM``, ``SamplingParams``, ``Completion``."""
 
-from kvgraph.engine.llm import LLM
+from kvgraph.engine.llm_engine import LLM
 from kvgraph.engine.requests import Completion, FinishReason, TokenEvent
 from kvgraph.engine.sampling import SamplingParams
 

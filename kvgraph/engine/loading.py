@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from kvgraph.cache.managers import load_kv_manager
+from kvgraph.cache.managers.base import KVCacheManager
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy, parse_device
 from kvgraph.errors import InvalidParamsError
-from kvgraph.managers import load_kv_manager
-from kvgraph.managers.base import KVCacheManager
-from kvgraph.params import KVCacheParams, KVCacheStrategy, parse_device
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("*.safetensors", "*.bin")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvgraph.cache.managers.base import KVCacheManager
+from kvgraph.cache.managers.paged import PagedKVCacheManager
 from kvgraph.engine.sampling import SamplingParams
 from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
-from kvgraph.managers.base import KVCacheManager
-from kvgraph.managers.paged import PagedKVCacheManager
 
 Prompt = str | Sequence[int]
 

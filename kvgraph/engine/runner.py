@@ -9,9 +9,9 @@ from contextlib import contextmanager
 
 import torch
 
+from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.engine.progress import CompileProgress
 from kvgraph.errors import BindingError, InvalidParamsError, WindowNotShownError
-from kvgraph.inputs import RaggedKVCacheInputs
 
 SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
@@ -66,13 +66,13 @@ class ModelRunner:
 
         Args:
             kv_inputs: the manager's ``fetch`` result (one ``RaggedKVCacheInputs`` per device).
-            input_ids: ``int64 [1, T]``: new tokens of all sequences, flattened (``kvgraph.step.prepare_step``).
+            input_ids: ``int64 [1, T]``: new tokens of all sequences, flattened (``kvgraph.compiler.step.prepare_step``).
             position_ids: ``int64 [1, T]``: their positions.
             input_row_offsets: ``int32 [batch + 1]``: prefix sums of new tokens per sequence.
         Returns:
             ``[batch, V]`` logits in the model's dtype.
         """
-        from kvgraph.runtime import bind
+        from kvgraph.compiler.runtime import bind
 
         batch = input_row_offsets.shape[0] - 1
         if self._shapes is not None:
@@ -118,9 +118,9 @@ class ModelRunner:
     def _several_token_graph(self) -> bool:
         """Compile the model's graph of several tokens with a 2-token step on a scratch cache of
         the compiled model's params; ``False`` where the model has no manager to copy."""
-        from kvgraph.managers.factory import load_kv_manager
-        from kvgraph.request import KVRequest
-        from kvgraph.step import run_step
+        from kvgraph.cache.managers.factory import load_kv_manager
+        from kvgraph.cache.request import KVRequest
+        from kvgraph.compiler.step import run_step
 
         manager = getattr(self.compiled, "manager", None)
         if manager is None:

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvgraph.cache.managers.base import KVCacheManager
+from kvgraph.cache.request import KVRequest
 from kvgraph.engine.requests import EngineRequest, FinishReason, RequestStatus
-from kvgraph.managers.base import KVCacheManager
-from kvgraph.request import KVRequest
 
 
 @dataclass

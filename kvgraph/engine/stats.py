@@ -6,9 +6,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvgraph.cache.managers.base import KVCacheManager
+from kvgraph.cache.managers.paged import PagedKVCacheManager
 from kvgraph.engine.requests import EngineRequest
-from kvgraph.managers.base import KVCacheManager
-from kvgraph.managers.paged import PagedKVCacheManager
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2
+
+from tests.models.tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2
 
 
 @pytest.fixture(name="tiny_llama")

@@ -8,10 +8,10 @@ attention kvgraph cannot prove are refused with a message naming what it found.
 
 import pytest
 import transformers as T
-from tiny_models import COMMON, VOCAB, _build, reference_greedy
 
 import kvgraph
 from kvgraph import LoweringError
+from tests.models.tiny_models import COMMON, VOCAB, _build, reference_greedy
 
 EAGER = "eager"  # architectures without an SDPA implementation in transformers
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from tiny_models import (
+
+import kvgraph
+from tests.models.tiny_models import (
     kv_params,
     make_manager,
     ragged_decode,
@@ -10,8 +12,6 @@ from tiny_models import (
     tiny_gpt2,
     tiny_llama,
 )
-
-import kvgraph
 
 PROMPT_LENGTHS = (3, 7, 11, 1, 9, 5)
 STEPS = 32  # decode steps after the prefill: STEPS + 1 generated tokens

@@ -2,7 +2,12 @@
 
 import pytest
 import torch
-from tiny_models import (
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import kvgraph
+from kvgraph import KVRequest, LoweringError
+from kvgraph.compiler.step import run_step
+from tests.models.tiny_models import (
     kv_params,
     make_manager,
     ragged_decode,
@@ -10,11 +15,6 @@ from tiny_models import (
     tiny_llama,
     tiny_qwen2,
 )
-from transformers.modeling_outputs import CausalLMOutputWithPast
-
-import kvgraph
-from kvgraph import KVRequest, LoweringError
-from kvgraph.step import run_step
 
 PROMPTS = [[4, 8, 15, 16, 23], [42], [7, 7, 7]]
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from nanogpt_model import NanoGPT
-from tiny_models import make_manager, ragged_decode
 
 import kvgraph
 from kvgraph import KVCacheParams
+from tests.models.tiny_models import make_manager, ragged_decode
+from tests.nanogpt_model import NanoGPT
 
 N_EMBD, N_HEAD, N_LAYER, BLOCK, VOCAB = 48, 3, 3, 64, 97
 

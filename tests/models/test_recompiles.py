@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from tiny_models import kv_params, make_manager, tiny_llama
 from torch._dynamo.utils import counters
 
 import kvgraph
 from kvgraph import KVRequest
-from kvgraph.step import run_step
+from kvgraph.compiler.step import run_step
+from tests.models.tiny_models import kv_params, make_manager, tiny_llama
 
 
 def compile_counts() -> dict[str, int]:

@@ -9,11 +9,18 @@ windows of the several-token graph.
 import pytest
 import torch
 import transformers
-from tiny_models import COMMON, VOCAB, _build, kv_params, make_manager, reference_greedy
 
 import kvgraph
 from kvgraph import KVRequest, WindowNotShownError
-from kvgraph.step import run_step
+from kvgraph.compiler.step import run_step
+from tests.models.tiny_models import (
+    COMMON,
+    VOCAB,
+    _build,
+    kv_params,
+    make_manager,
+    reference_greedy,
+)
 
 NEW_TOKENS = 24
 PROMPTS = [[5, 9, 17, 33, 2, 8, 1, 4, 4, 4, 70], [7, 3], [100, 3, 3, 8, 64, 1]]

@@ -8,7 +8,9 @@ own ``generate``.
 import pytest
 import torch
 import transformers
-from tiny_models import (
+
+import kvgraph
+from tests.models.tiny_models import (
     COMMON,
     VOCAB,
     _build,
@@ -17,8 +19,6 @@ from tiny_models import (
     ragged_decode,
     reference_greedy,
 )
-
-import kvgraph
 
 PROMPTS = [[5, 9, 17, 33, 2, 8, 1], [7, 3], [100, 3, 3, 8, 64, 1, 2, 90, 11]]
 STEPS = 12

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgraph import KVCacheParams, KVRequest, load_kv_manager
-from kvgraph.step import run_step
+from kvgraph.compiler.step import run_step
 
 VOCAB = 128
 SEED = 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from lowering_helpers import (
+
+from tests.nanogpt_model import NanoGPT
+from tests.passes.lowering_helpers import (
     VOCAB,
     Captured,
     capture,
@@ -13,7 +15,6 @@ from lowering_helpers import (
     tiny_llama,
     tiny_qwen2,
 )
-from nanogpt_model import NanoGPT
 
 
 # -- session fixtures: one capture per model --

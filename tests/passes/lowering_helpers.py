@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import transformers
 
-import kvgraph.kernels  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
-from kvgraph.params import KVCacheParams
+import kvgraph.ops  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
+from kvgraph.cache.params import KVCacheParams
 from kvgraph.passes.graph_view import copy_module, placeholder_kind
 
 VOCAB = 128

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvgraph.cache.params import KVCacheParams
+from kvgraph.cache.symbols import ragged_input_symbols
 from kvgraph.errors import LoweringError
-from kvgraph.managers.base import ragged_input_symbols
-from kvgraph.params import KVCacheParams
 from kvgraph.passes import add_kv_inputs
 from kvgraph.passes.add_kv_inputs import KV_PLACEHOLDERS, graph_fake_mode
 

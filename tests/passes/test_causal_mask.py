@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention
 from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, is_causal_table
+from tests.passes.lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
 
 
 def windowed(window: int):

@@ -9,7 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from lowering_helpers import (
+
+from kvgraph.errors import LoweringError
+from kvgraph.passes import find_attention, lower
+from tests.nanogpt_model import NanoGPT
+from tests.passes.lowering_helpers import (
     VOCAB,
     RaggedCache,
     TinyDecoder,
@@ -23,10 +27,6 @@ from lowering_helpers import (
     tiny_llama,
     tiny_qwen2,
 )
-from nanogpt_model import NanoGPT
-
-from kvgraph.errors import LoweringError
-from kvgraph.passes import find_attention, lower
 
 
 def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -30,10 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lowering_helpers import VOCAB, capture, steps_against_eager
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes.pipeline import lower
+from tests.passes.lowering_helpers import VOCAB, capture, steps_against_eager
 
 settings.register_profile(
     "lowering-ci", max_examples=300, deadline=None, derandomize=True, print_blob=True,

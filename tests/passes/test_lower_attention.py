@@ -6,11 +6,11 @@ import operator
 
 import pytest
 import torch
-from lowering_helpers import lowered_ops
 
-from kvgraph.params import KVCacheParams
+from kvgraph.cache.params import KVCacheParams
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention
 from kvgraph.passes.graph_view import meta_value
+from tests.passes.lowering_helpers import lowered_ops
 
 
 def lowered(captured):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lowering_helpers import capture
 
 from kvgraph.passes import patterns as P
+from tests.passes.lowering_helpers import capture
 
 
 def output_of(fn, **kwargs) -> torch.fx.Node:

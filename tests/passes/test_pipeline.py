@@ -6,7 +6,12 @@ import logging
 
 import pytest
 import torch
-from lowering_helpers import (
+
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.errors import InvalidParamsError, LoweringError
+from kvgraph.passes import lower
+from kvgraph.passes.pipeline import PASSES, LoweringPipeline
+from tests.passes.lowering_helpers import (
     VOCAB,
     RaggedCache,
     TinyDecoder,
@@ -18,11 +23,6 @@ from lowering_helpers import (
     run_step,
     tiny_llama,
 )
-
-from kvgraph.errors import InvalidParamsError, LoweringError
-from kvgraph.params import KVCacheParams, KVCacheStrategy
-from kvgraph.passes import lower
-from kvgraph.passes.pipeline import PASSES, LoweringPipeline
 
 MODELS = ["llama_sdpa", "llama_eager", "gpt2_sdpa", "qwen2_sdpa", "nanogpt"]
 ATOL = 1e-4

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lowering_helpers import (
+
+from kvgraph.errors import LoweringError
+from kvgraph.passes import lower, prune_logits
+from kvgraph.passes.graph_view import meta_value
+from tests.passes.lowering_helpers import (
     VOCAB,
     RaggedCache,
     TinyDecoder,
@@ -14,10 +18,6 @@ from lowering_helpers import (
     model_kwargs,
     run_step,
 )
-
-from kvgraph.errors import LoweringError
-from kvgraph.passes import lower, prune_logits
-from kvgraph.passes.graph_view import meta_value
 
 
 def causal(q, k, v):

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lowering_helpers import (
+
+from kvgraph.cache.params import KVCacheParams
+from kvgraph.errors import LoweringError
+from kvgraph.passes import add_kv_inputs, find_attention, lower, lower_attention, verify
+from kvgraph.passes.add_kv_inputs import graph_fake_mode
+from kvgraph.passes.graph_view import placeholder_kind
+from tests.passes.lowering_helpers import (
     RaggedCache,
     TinyDecoder,
     capture,
@@ -14,12 +20,6 @@ from lowering_helpers import (
     model_kwargs,
     run_step,
 )
-
-from kvgraph.errors import LoweringError
-from kvgraph.params import KVCacheParams
-from kvgraph.passes import add_kv_inputs, find_attention, lower, lower_attention, verify
-from kvgraph.passes.add_kv_inputs import graph_fake_mode
-from kvgraph.passes.graph_view import placeholder_kind
 
 
 def prepared(captured):

@@ -1,0 +1,432 @@
+"""The ``kvgraph`` torch.compile backend: lower a Dynamo graph onto the KV cache, then compile the rest.
+
+``torch.compile(model, backend="kvgraph")`` (entry point ``torch_dynamo_backends``) and
+``kvgraph.compile(model, manager=...)`` both end here. For every graph Dynamo captures,
+:class:`KVGraphBackend` returns a :class:`GraphRunner`, which
+
+1. lowers a copy of the graph with :func:`kvgraph.passes.pipeline.lower` for one cache
+   layout (strategy, page size, device): attention becomes ``kvgraph::ragged_attention``
+   over five new inputs (``kv_blocks, cache_lengths, lookup_table, max_lengths,
+   input_row_offsets``) and the logits are pruned to each sequence's last token;
+2. hands the lowered graph to the inner compiler (Inductor by default, or ``"eager"``);
+3. at each call reads the tensors bound with ``kvgraph.bind`` and passes them after the
+   graph's own arguments.
+
+The layout is the manager's when there is one; by name it comes from the binding of the
+call that compiles, and each further layout met at call time gets its own lowering,
+cached per layout. The model must compile to one graph (``kvgraph.compile`` passes
+``fullgraph=True``): layer indices are counted per graph.
+
+Recompiles: ``kvgraph.compile`` marks the token axis dynamic, so after a warm-up of one
+step with ``T > 1`` and one with ``T == 1`` (Dynamo specialises sizes 0 and 1) no token
+count or batch size recompiles; the batch size never reaches Dynamo (it only sizes the
+bound KV tensors, which the inner graph takes with symbolic sizes). By name, pass
+``dynamic=True`` or expect one automatic-dynamic recompile at the second token count.
+Counters: ``torch._dynamo.utils.counters["kvgraph"]`` counts ``"graphs"`` (graphs
+received) and ``"lowerings"`` (graphs lowered and compiled).
+
+The cache is written in place under Inductor too: the op declares ``mutates_args=
+("kv_blocks",)``, AOTAutograd functionalises each call (``auto_functionalized``) and
+Inductor's re-inplacing pass turns the chain back into in-place calls on the ``kv_blocks``
+graph input, as nothing else reads the old cache. The generated code hands that input
+buffer to every layer's op and allocates nothing of the cache's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+from torch._dynamo.utils import counters
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from kvgraph.cache.managers.base import KVCacheManager
+from kvgraph.cache.params import KVCacheParams
+from kvgraph.compiler.hf import refuse_own_cache, takes_use_cache, without_hf_cache
+from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
+from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
+
+if TYPE_CHECKING:
+    from kvgraph.passes.pipeline import LoweringResult
+
+InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
+OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How graphs are lowered and compiled.
+
+    Attributes:
+        params: the manager's ``KVCacheParams``; graphs are lowered against them (a model that
+            does not match raises ``LoweringError``) and a binding of another layout raises
+            ``BindingError``. ``None``: the layout is read from each call's binding.
+        inner: the compiler of the lowered graph: ``"inductor"``, ``"eager"``, another
+            registered Dynamo backend name, or a backend callable ``(gm, example_inputs) -> fn``.
+        prune_logits: compute the logits only for each sequence's last new token
+            (``[1, T, V]`` becomes ``[1, batch, V]``).
+        dump: ``dump(stage, gm)`` after capture and after each pass (debugging).
+        freeze_weights: with Inductor, compile the parameters in as constants (Inductor's
+            ``freezing``: constant folding, and linear layers on oneDNN with prepacked weights).
+            Faster on the CPU; later changes to the parameters are not seen, and each compiled
+            graph keeps its own packed copy of the weights. Needs the first call under
+            ``torch.no_grad()`` or ``torch.inference_mode()``.
+    """
+
+    params: KVCacheParams | None = None
+    inner: InnerCompiler = "inductor"
+    prune_logits: bool = True
+    dump: Callable[[str, torch.fx.GraphModule], None] | None = None
+    freeze_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if self.inner not in known or self.inner == "kvgraph":
+                raise InvalidParamsError(
+                    f"inner compiler {self.inner!r} is not a Dynamo backend other than kvgraph "
+                    f"(see torch._dynamo.list_backends()), e.g. 'inductor' or 'eager'"
+                )
+        elif not callable(self.inner):
+            raise InvalidParamsError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
+
+
+@dataclass
+class ModelWindows:
+    """The sliding window of each attention site of one model, learnt from its first lowered graph
+    with a dynamic token count; graphs Dynamo captures for a fixed count (``T == 1``) cannot show
+    windows wider than that and take these (``known``: ``None`` until learnt)."""
+
+    known: tuple[int | None, ...] | None = None
+
+    def learn(self, result: LoweringResult) -> None:
+        """Keep the windows of ``result`` if it is the model's first graph of a dynamic token count."""
+        from kvgraph.passes.patterns import static_size
+
+        if self.known is None and result.sites:
+            token_count = static_size(result.sites[0].q.meta["example_value"].shape[2])
+            if not isinstance(token_count, int):
+                self.known = tuple(s.sliding_window for s in result.sites)
+
+
+@dataclass
+class LoweredGraph:
+    """One graph lowered for one layout and compiled by the inner compiler."""
+
+    fn: Callable
+    result: LoweringResult
+    """The lowered graph, the params it reads, its attention sites, the passes' timings."""
+    params: KVCacheParams
+    kv_placeholders: list[str] = field(default_factory=list)
+
+    def __call__(self, args: Sequence, kv: list[torch.Tensor]):
+        # A Dynamo backend's function takes its arguments unboxed (whatever ``_boxed_call`` says).
+        return self.fn(*args, *kv)
+
+
+class GraphRunner:
+    """The callable Dynamo runs for one captured graph: binds the KV inputs, lowers per layout.
+
+    Args:
+        gm: the graph Dynamo captured (kept unmodified; each layout lowers a copy).
+        options: the backend's options.
+        model_windows: what the model's graphs learnt of its sliding windows (shared by its runners).
+    """
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, options: BackendOptions, model_windows: ModelWindows | None = None
+    ) -> None:
+        self.gm = gm
+        self.options = options
+        self.model_windows = model_windows if model_windows is not None else ModelWindows()
+        self.layouts: dict[CacheLayout, LoweredGraph] = {}
+        self.graph_device = _graph_device(gm)
+        self.fixed_layout = CacheLayout.of(options.params) if options.params is not None else None
+        """The manager's layout, or ``None``: each call's binding chooses."""
+        self._lock = threading.Lock()
+
+    def lowered(self, layout: CacheLayout, example_inputs: Sequence) -> LoweredGraph:
+        """The graph lowered and compiled for ``layout`` (lowering it on first use).
+
+        ``example_inputs`` are real values of the graph's own inputs (Dynamo's example inputs,
+        or a call's arguments): the lowering reads constant buffers such as causal masks.
+        """
+        found = self.layouts.get(layout)
+        if found is not None:
+            return found
+        with self._lock:
+            if layout not in self.layouts:
+                self.layouts[layout] = self._lower(layout, example_inputs)
+            return self.layouts[layout]
+
+    def _lower(self, layout: CacheLayout, example_inputs: Sequence) -> LoweredGraph:
+        from kvgraph.passes.pipeline import lower
+
+        if self.graph_device is not None and layout.device.type != self.graph_device.type:
+            raise BindingError(
+                f"the bound KV cache is on {layout.device}, but the model's tensors are on {self.graph_device}"
+            )
+        gm = copy_graph_module(self.gm)
+        result = lower(
+            gm, cache_strategy=layout.strategy, page_size=layout.page_size, device=layout.device,
+            expected=self.options.params, strict=True, prune_logits=self.options.prune_logits,
+            dump=self.options.dump, example_inputs=list(example_inputs), windows=self.model_windows.known,
+        )
+        if not result.lowered:
+            raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
+        refuse_own_cache(gm, result.sites)
+        self.model_windows.learn(result)
+        names = list(result.kv_placeholders)
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if node.name in names and not hasattr(node, "_dynamo_source"):
+                node._dynamo_source = None  # not a Dynamo input: the runner passes it
+        try:
+            with _freezing(self.options):
+                fn = _compile_inner(self.options.inner, gm, example_inputs)
+        except exceptions_allowed_to_be_fallback as e:
+            # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
+            raise LoweringError(
+                f"the inner compiler {self.options.inner!r} failed on the lowered graph: {type(e).__name__}: {e}"
+            ) from e
+        counters["kvgraph"]["lowerings"] += 1
+        params = self.options.params or result.params
+        return LoweredGraph(fn=fn, result=result, params=params, kv_placeholders=names)
+
+    def __call__(self, *args):
+        binding = require_binding()
+        lowered = self.lowered(self.fixed_layout or binding.layout, args)
+        check_fit(binding, lowered.params, self.graph_device)
+        return lowered(args, binding.tensors(lowered.kv_placeholders))
+
+
+class KVGraphBackend:
+    """A Dynamo backend: ``torch.compile(model, backend=KVGraphBackend(options))``.
+
+    The first graph of a layout is lowered and compiled when Dynamo hands it over (inside
+    the first call) if the layout is known then: the manager's, or the binding of that call.
+
+    Attributes:
+        options: see :class:`BackendOptions`.
+        runners: one :class:`GraphRunner` per graph received, in order.
+    """
+
+    def __init__(self, options: BackendOptions | None = None, model_windows: ModelWindows | None = None) -> None:
+        self.options = options or BackendOptions()
+        self.runners: list[GraphRunner] = []
+        self.model_windows = model_windows if model_windows is not None else ModelWindows()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
+        counters["kvgraph"]["graphs"] += 1
+        runner = GraphRunner(gm, self.options, self.model_windows)
+        binding = current_binding()
+        layout = runner.fixed_layout or (binding.layout if binding is not None else None)
+        if layout is not None:
+            # A layout that cannot be lowered is not cached: the runner raises the error, typed, when called.
+            with contextlib.suppress(KVCacheError, BindingError, LoweringError):
+                runner.lowered(layout, example_inputs)
+        self.runners.append(runner)
+        return runner
+
+
+def kvgraph_backend(
+    gm: torch.fx.GraphModule, example_inputs: list, *, options: dict | None = None
+) -> GraphRunner:
+    """``torch.compile(model, backend="kvgraph", options={...})``: the by-name entry point.
+
+    ``options`` may set ``inner`` (default ``"inductor"``), ``prune_logits`` (default ``True``),
+    ``dump`` and ``freeze_weights`` (default ``False``); the cache layout comes from ``kvgraph.bind`` at call time.
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
+    return KVGraphBackend(BackendOptions(**options), _model_windows(example_inputs))(gm, example_inputs)
+
+
+_WINDOWS_BY_MODEL: dict[int, tuple[weakref.ref, ModelWindows]] = {}  # id(parameter) -> (its ref, windows)
+
+
+def _model_windows(example_inputs: Sequence) -> ModelWindows:
+    """By name each graph gets a backend of its own: the graphs of one model share what they learn
+    of its windows through the first parameter they read (Dynamo passes the model's own tensors)."""
+    first = next((x for x in example_inputs if isinstance(x, torch.nn.Parameter)), None)
+    if first is None:
+        return ModelWindows()
+    ref, windows = _WINDOWS_BY_MODEL.get(id(first), (None, None))
+    if ref is None or ref() is not first:
+        for key in [k for k, (r, _) in _WINDOWS_BY_MODEL.items() if r() is None]:
+            del _WINDOWS_BY_MODEL[key]  # models that are gone
+        windows = ModelWindows()
+        _WINDOWS_BY_MODEL[id(first)] = (weakref.ref(first), windows)
+    return windows
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose graph can be rewritten without touching ``gm``.
+
+    Nodes are new (their ``meta`` dicts shallow copies, Dynamo's ``_dynamo_source`` kept);
+    parameters and submodules are shared, not copied; ``gm.meta`` and Dynamo's
+    ``_param_name_to_source`` carry over so that AOTAutograd still sees a Dynamo graph.
+    """
+    memo: dict = {}
+    graph = copy.deepcopy(gm.graph, memo)
+    for old, new in zip(gm.graph.nodes, graph.nodes, strict=True):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    out = _LazyGraphModule(gm, graph, class_name=type(gm).__name__)  # code generated on first use
+    out.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        out._param_name_to_source = gm._param_name_to_source
+    return out
+
+
+def _example_value(node: torch.fx.Node):
+    return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
+
+
+def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:
+    """Where the graph's floating tensors (its weights) live; ``None`` when it has none."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = _example_value(node)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+            return value.device
+    return None
+
+
+def _freezing(options: BackendOptions) -> contextlib.AbstractContextManager:
+    """Inductor's ``freezing`` on for this compile when ``options.freeze_weights`` and the inner is Inductor."""
+    if options.freeze_weights and options.inner == "inductor":
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.patch(freezing=True)
+    return contextlib.nullcontext()
+
+
+def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+    """Compile the lowered graph with the inner backend.
+
+    Inside Dynamo's backend call (the first compile) the inner backend gets what Dynamo gave
+    kvgraph, ``example_inputs`` (real tensors that Dynamo fakeified, with their symbolic
+    contexts), followed by the KV placeholders' fake tensors. A layout lowered later, at call
+    time, gets the fake tensors of every placeholder and a fresh tracing context over their
+    fake mode and shape environment.
+    """
+    compiler = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+    fakes = [_example_value(node) for node in gm.graph.find_nodes(op="placeholder")]
+    if TracingContext.try_get() is not None:
+        return compiler(gm, [*example_inputs, *fakes[len(example_inputs):]])
+    fake_mode = detect_fake_mode(fakes)
+    with tracing(TracingContext(fake_mode)), _dynamic_floats_specialized(fake_mode.shape_env):
+        return compiler(gm, fakes)
+
+
+@contextlib.contextmanager
+def _dynamic_floats_specialized(shape_env) -> Iterator[None]:
+    """Have Inductor specialise Dynamo's dynamic float inputs instead of asking Dynamo to restart.
+
+    Under ``dynamic=True`` Dynamo passes float module attributes (norm epsilons, scales) as
+    0-d tensors read with ``.item()``; AOTAutograd tensorifies what it can and, for the rest,
+    asks Dynamo to restart with them specialised. A layout lowered at call time, after
+    Dynamo's trace, cannot restart: its floats are marked for specialisation up front.
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    names = {str(s) for s in shape_env.backed_var_to_val if symbol_is_type(s, SymT.FLOAT)}
+    names -= TensorifyState.force_specializations
+    for name in names:
+        TensorifyState.specialize(name)
+    try:
+        yield
+    finally:
+        TensorifyState.force_specializations.difference_update(names)
+
+
+class CompiledModel:
+    """What :func:`compile` returns: call it like the model, inside ``kvgraph.bind``.
+
+    Attributes:
+        model: the original module (unchanged).
+        module: the ``torch.compile``-d entry point that calls ``model``.
+        backend: the :class:`KVGraphBackend` (its ``runners`` hold the lowerings).
+        manager: the manager the graphs were lowered for, or ``None``.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: KVGraphBackend, manager: KVCacheManager | None) -> None:
+        self.model = model
+        self.backend = backend
+        self.manager = manager
+        self.module = torch.compile(_entry_point(model), backend=backend, fullgraph=True)
+        self._hf_cache = takes_use_cache(model)
+
+    def __call__(self, *args, **kwargs):
+        """Run the model on one ragged step: ``input_ids [1, T]``, ``position_ids [1, T]``, ...
+
+        Every tensor argument of shape ``[1, T, ...]`` has its token axis marked dynamic, so
+        steps of any token count share one graph (``T == 1`` gets its own: Dynamo
+        specialises sizes 0 and 1). Returns the model's own output type; with pruned logits
+        they are ``[1, batch, V]``.
+        """
+        require_binding()
+        if self._hf_cache:
+            kwargs = without_hf_cache(kwargs)
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1:
+                torch._dynamo.maybe_mark_dynamic(value, 1)
+        return self.module(*args, **kwargs)
+
+
+def _entry_point(model: torch.nn.Module) -> Callable:
+    """A function that calls ``model``, with a code object of its own.
+
+    Dynamo keeps its compiled entries (and its recompile limit) per code object. Every Hugging
+    Face model's ``forward`` is one shared decorated function, so compiling the modules
+    themselves would make all compiled models of a process share one limit of entries; a
+    fresh code object per compiled model gives each its own.
+    """
+
+    def forward(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    forward.__code__ = forward.__code__.replace(co_name=f"kvgraph_{type(model).__name__}_forward")
+    return forward
+
+
+def compile(
+    model: torch.nn.Module,
+    *,
+    manager: KVCacheManager | None = None,
+    inner: InnerCompiler = "inductor",
+    prune_logits: bool = True,
+    dump: Callable[[str, torch.fx.GraphModule], None] | None = None,
+    freeze_weights: bool = False,
+) -> CompiledModel:
+    """Compile ``model`` (unmodified) into a ragged, KV-cached model.
+
+    Args:
+        model: a decoder (Hugging Face causal LM, nanoGPT-style module, ...) called with
+            ``input_ids [1, T]`` and ``position_ids [1, T]``; Hugging Face models also get
+            ``use_cache=False`` (kvgraph's cache replaces theirs).
+        manager: lower against ``manager.params`` (a model whose layers, KV heads, head size or
+            dtype differ raises ``LoweringError``); without one, each call's binding sets the
+            layout and each layout gets its own lowering.
+        inner: compiler of the lowered graph: ``"inductor"`` (default), ``"eager"``, another
+            Dynamo backend name or a backend callable.
+        prune_logits: return logits for each sequence's last new token only.
+        dump: ``dump(stage, gm)`` after capture and after each lowering pass.
+        freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
+    """
+    params = manager.params if manager is not None else None
+    backend = KVGraphBackend(BackendOptions(
+        params=params, inner=inner, prune_logits=prune_logits, dump=dump, freeze_weights=freeze_weights,
+    ))
+    return CompiledModel(model, backend, manager)

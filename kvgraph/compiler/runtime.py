@@ -1,0 +1,228 @@
+"""Binding one step's KV cache inputs to compiled kvgraph callables (``kvgraph.bind``).
+
+A graph lowered by kvgraph takes five extra inputs after the model's own:
+``kv_blocks, cache_lengths, lookup_table, max_lengths, input_row_offsets``. The
+caller does not pass them; it binds them around the call::
+
+    with kvgraph.bind(manager.fetch(batch), input_row_offsets):
+        out = compiled(input_ids=ids, position_ids=pos)
+
+The compiled callable reads the innermost binding of the calling thread at call
+time (:func:`require_binding`) and checks it against what its graph was lowered
+for (:func:`check_fit`). Bindings nest and are private to their thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvgraph.cache.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.symbols import INDEX_DTYPE, KV_PLACEHOLDERS, TensorType, ragged_input_symbols
+from kvgraph.errors import BindingError, CacheInputError
+
+HOW_TO_BIND = (
+    "call it inside `with kvgraph.bind(kv_inputs, input_row_offsets):`, where kv_inputs is "
+    "manager.fetch(batch) (or one RaggedKVCacheInputs) and input_row_offsets the int32 "
+    "[batch + 1] prefix sums of each sequence's new tokens (kvgraph.compiler.step.prepare_step builds them)"
+)
+
+
+class CacheLayout(NamedTuple):
+    """What a lowered graph is specialised on besides the model: strategy, page size, device."""
+
+    strategy: KVCacheStrategy
+    page_size: int | None
+    """Tokens per page (paged); ``None`` for the continuous strategy."""
+    device: torch.device
+
+    @classmethod
+    def of(cls, params: KVCacheParams) -> CacheLayout:
+        page_size = params.page_size if params.is_paged else None
+        return cls(params.cache_strategy, page_size, torch.device(params.device))
+
+    def __str__(self) -> str:
+        page = f", page_size={self.page_size}" if self.page_size is not None else ""
+        return f"{self.strategy.value}{page} on {self.device}"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The tensors one step binds: the manager's inputs and the new tokens' row offsets.
+
+    Attributes:
+        kv_inputs: ``blocks``, ``cache_lengths int32 [batch]``, ``lookup_table int32``
+            (paged ``[batch, max_num_pages]``, continuous ``[batch]``), ``max_lengths int32
+            [num_steps, 2]`` (CPU), as :class:`~kvgraph.cache.inputs.RaggedKVCacheInputs` documents.
+        input_row_offsets: ``int32 [batch + 1]`` prefix sums of the new tokens per sequence.
+    """
+
+    kv_inputs: RaggedKVCacheInputs
+    input_row_offsets: torch.Tensor
+
+    @property
+    def layout(self) -> CacheLayout:
+        """Strategy (from the lookup table's rank), page size (blocks axis 3) and device of the cache."""
+        blocks, lookup = self.kv_inputs.blocks, self.kv_inputs.lookup_table
+        if lookup.dim() == 2:
+            return CacheLayout(KVCacheStrategy.PAGED, blocks.shape[3], blocks.device)
+        return CacheLayout(KVCacheStrategy.CONTINUOUS, None, blocks.device)
+
+    def tensors(self, names: Sequence[str] = KV_PLACEHOLDERS) -> list[torch.Tensor]:
+        """The bound tensors in the order of the graph's KV placeholders ``names``."""
+        kv = self.kv_inputs
+        by_name = {
+            "kv_blocks": kv.blocks, "cache_lengths": kv.cache_lengths, "lookup_table": kv.lookup_table,
+            "max_lengths": kv.max_lengths, "input_row_offsets": self.input_row_offsets,
+        }
+        return [by_name[name] for name in names]
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.bindings: list[Binding] = []
+
+
+_STACK = _Stack()
+
+
+def _ragged_inputs(kv_inputs: object) -> RaggedKVCacheInputs:
+    """The one ``RaggedKVCacheInputs`` in what ``manager.fetch`` returned (or the object itself)."""
+    if isinstance(kv_inputs, KVCacheInputsSequence):
+        kv_inputs = list(kv_inputs.kv_cache_inputs)
+    if isinstance(kv_inputs, (list, tuple)):
+        if len(kv_inputs) != 1:
+            raise BindingError(
+                f"kvgraph.bind takes the inputs of one device, got a sequence of {len(kv_inputs)}"
+            )
+        kv_inputs = kv_inputs[0]
+    if not isinstance(kv_inputs, RaggedKVCacheInputs):
+        raise BindingError(
+            f"kvgraph.bind needs a RaggedKVCacheInputs or manager.fetch(...)'s list of one, "
+            f"got {type(kv_inputs).__name__}"
+        )
+    return kv_inputs
+
+
+def _check_structure(kv: RaggedKVCacheInputs, input_row_offsets: object) -> None:
+    """What a binding needs independently of any graph: tensors, ranks, index dtypes, batch sizes."""
+    blocks, lookup = kv.blocks, kv.lookup_table
+    if blocks.dim() != 6 or blocks.shape[1] != 2:
+        raise BindingError(
+            f"blocks must be [pages or slots, 2, num_layers, page_size or max_seq_len, n_kv_heads, head_dim], "
+            f"got shape {tuple(blocks.shape)}"
+        )
+    if lookup.dim() not in (1, 2):
+        raise BindingError(
+            f"lookup_table must be [batch, max_num_pages] (paged) or [batch] (continuous), "
+            f"got shape {tuple(lookup.shape)}"
+        )
+    if not isinstance(input_row_offsets, torch.Tensor):
+        raise BindingError(f"input_row_offsets must be a tensor, got {type(input_row_offsets).__name__}")
+    batch = kv.cache_lengths.shape[0] if kv.cache_lengths.dim() == 1 else None
+    if (
+        input_row_offsets.dtype != INDEX_DTYPE
+        or input_row_offsets.dim() != 1
+        or batch is None
+        or input_row_offsets.shape[0] != batch + 1
+    ):
+        raise BindingError(
+            f"input_row_offsets must be {INDEX_DTYPE} [batch + 1] with batch = len(cache_lengths) = {batch}, "
+            f"got {input_row_offsets.dtype} {tuple(input_row_offsets.shape)}"
+        )
+    if input_row_offsets.device != blocks.device:
+        raise BindingError(
+            f"input_row_offsets is on {input_row_offsets.device} but the cache blocks are on {blocks.device}"
+        )
+
+
+@contextlib.contextmanager
+def bind(
+    kv_inputs: RaggedKVCacheInputs | Sequence[RaggedKVCacheInputs] | KVCacheInputsSequence,
+    input_row_offsets: torch.Tensor,
+) -> Iterator[Binding]:
+    """Bind one step's KV inputs for compiled kvgraph callables called in this thread.
+
+    Args:
+        kv_inputs: ``manager.fetch(batch)`` (a list of one ``RaggedKVCacheInputs``) or one
+            ``RaggedKVCacheInputs``: ``blocks`` (paged ``[total_num_pages, 2, L, page_size, Hkv, D]``,
+            continuous ``[max_batch_size, 2, L, max_seq_len, Hkv, D]``), ``cache_lengths int32 [batch]``,
+            ``lookup_table int32`` (``[batch, max_num_pages]`` or ``[batch]``), ``max_lengths int32
+            [num_steps, 2]`` on the CPU.
+        input_row_offsets: ``int32 [batch + 1]`` on the cache's device: prefix sums of the new
+            tokens of each sequence, in the order of ``cache_lengths``.
+
+    Raises ``BindingError`` (binding nothing) when the inputs are not of that form.
+    """
+    kv = _ragged_inputs(kv_inputs)
+    _check_structure(kv, input_row_offsets)
+    binding = Binding(kv, input_row_offsets)
+    _STACK.bindings.append(binding)
+    try:
+        yield binding
+    finally:
+        _STACK.bindings.pop()
+
+
+def current_binding() -> Binding | None:
+    """The innermost binding of this thread, or ``None``."""
+    bindings = _STACK.bindings
+    return bindings[-1] if bindings else None
+
+
+def require_binding(what: str = "this kvgraph-compiled model") -> Binding:
+    """The innermost binding of this thread; ``BindingError`` saying how to bind when there is none."""
+    binding = current_binding()
+    if binding is None:
+        raise BindingError(f"{what} was called without bound KV cache inputs: {HOW_TO_BIND}")
+    return binding
+
+
+def check_fit(binding: Binding, params: KVCacheParams, graph_device: torch.device | None = None) -> None:
+    """Raise ``BindingError`` naming both sides unless ``binding`` fits a graph lowered for ``params``.
+
+    Compares strategy, page size, layers, KV heads, head size, dtype and device of the bound
+    cache with ``params`` (and the device with ``graph_device``, where the model's tensors live),
+    and the index tensors' dtypes, ranks and batch sizes with the graph's input types.
+    """
+    need = CacheLayout.of(params)
+    have = binding.layout
+    devices = [d for d in (need.device, graph_device) if d is not None]
+    if have.strategy is not need.strategy or have.page_size != need.page_size or any(
+        not _same_device(have.device, d) for d in devices
+    ):
+        where = f" (model tensors on {graph_device})" if graph_device is not None else ""
+        raise BindingError(f"the bound KV cache is {have}, but the graph was compiled for {need}{where}")
+    sizes: dict[str, int] = {}
+    try:
+        # symbols and tensors both in MAX order: blocks, cache_lengths, lookup_table, max_lengths
+        for (name, tensor_type), tensor in zip(_input_types(params), binding.kv_inputs, strict=True):
+            tensor_type.check(tensor, name, sizes)
+    except CacheInputError as e:
+        raise BindingError(
+            f"the bound KV cache does not fit the graph: {e}. The graph needs "
+            f"num_layers={params.num_layers}, n_kv_heads={params.n_kv_heads}, head_dim={params.head_dim}, "
+            f"dtype={params.dtype}; the bound blocks are {binding.kv_inputs.blocks.dtype} "
+            f"{tuple(binding.kv_inputs.blocks.shape)}"
+        ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _input_types(params: KVCacheParams) -> tuple[tuple[str, TensorType], ...]:
+    return tuple(ragged_input_symbols(params).items())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one (``cuda`` matches ``cuda:1``)."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        return True
+    return a.index == b.index

@@ -1,0 +1,588 @@
+"""``kvgraph.LLM``: an unmodified causal LM compiled onto a paged KV cache, served by continuous batching."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvgraph.cache.managers.base import check_positive_int
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.compiler.step import prepare_step
+from kvgraph.engine.detokenize import IncrementalDetokenizer
+from kvgraph.engine.loading import (
+    check_dtype,
+    check_flags,
+    check_tokenizer,
+    eos_token_ids,
+    kv_params_from_config,
+    load_model,
+    make_manager,
+    resolve_device,
+    traced_kv_params,
+    vocab_size,
+)
+from kvgraph.engine.progress import CompileProgress
+from kvgraph.engine.prompts import (
+    Prompt,
+    as_prompt_list,
+    capacity_text,
+    check_fits,
+    check_sampling,
+    encode_prompt,
+)
+from kvgraph.engine.requests import (
+    Completion,
+    EngineRequest,
+    FinishReason,
+    TokenEvent,
+)
+from kvgraph.engine.runner import ModelRunner, compiled_graphs
+from kvgraph.engine.sampling import SamplingParams, sample
+from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
+from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
+from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
+
+COMPILE_MODES = ("inductor", "eager")
+
+
+def _locked(method):
+    """Run ``method`` holding the engine lock (``LLM._lock``)."""
+
+    @functools.wraps(method)
+    def wrapper(self: LLM, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class LLM:
+    """Generate text with continuous batching over a paged (or continuous) KV cache.
+
+    ``model`` is an ``nn.Module`` (a Hugging Face causal LM, or any module mapping
+    ``input_ids [1, T]`` and ``position_ids [1, T]`` to logits) or the path of a local
+    Hugging Face checkpoint directory (its tokenizer is loaded too when present).
+    The module is compiled once with ``kvgraph.compile`` (``compile="inductor"`` or
+    ``"eager"`` after lowering); every step then runs one ragged batch mixing decodes
+    with (chunked) prefills, at most ``max_batch_size`` sequences and
+    ``max_batch_tokens`` new tokens. ``kv_cache_memory`` (bytes) sizes the paged pool;
+    by default it holds ``max_batch_size`` sequences of ``max_seq_len`` tokens.
+    ``num_steps > 1`` runs batches of decodes that many steps back to back.
+    ``freeze_weights`` (Inductor only) compiles the weights in as constants with prepacked
+    linear layers: faster, but later edits of the module's parameters are not seen.
+    ``progress`` shows on stderr what the first call of each step shape is compiling (stage and
+    seconds so far); ``warmup()`` runs those calls ahead of serving.
+    ``tensor_parallel_size=N`` splits the model's heads and MLP over ``N`` ranks (see
+    ``kvgraph.parallel``): this process is rank 0 and spawns the others, unless a process
+    group or ``torchrun`` already set the ranks up; on a rank other than 0 the constructor runs
+    rank 0's steps until rank 0 calls ``close``. ``kv_cache_memory`` is then over all ranks.
+
+    Thread-safe: ``generate``, ``stream``, ``add_request``, ``abort``, ``step`` and the rest may be
+    called from any number of threads. One lock guards the engine's state and is held for a whole
+    step, so one step runs at a time. A ``generate`` or ``stream`` caller with nothing to hand back
+    runs the next step itself, for the requests of every caller: all callers' requests share the
+    same batches, and each step's tokens go to the call that is waiting for them.
+
+    A checkpoint directory never runs code unless ``trust_remote_code=True`` (its own modelling
+    files); its weights load from safetensors, or from ``.bin`` pickles with ``weights_only=True``.
+    Every argument is checked before the model is loaded or compiled.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str | Path,
+        *,
+        cache_strategy: KVCacheStrategy | str = "paged",
+        page_size: int = 16,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        max_batch_tokens: int = 2048,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_steps: int = 1,
+        compile: str = "inductor",
+        freeze_weights: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tokenizer: object | None = None,
+        progress: bool = True,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+    ) -> None:
+        engine_args = {k: v for k, v in locals().items() if k not in ("self", "model", "tokenizer", "tensor_parallel_size")}
+        for name, value in (
+            ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+            ("max_batch_tokens", max_batch_tokens), ("num_steps", num_steps),
+            ("tensor_parallel_size", tensor_parallel_size),
+        ):
+            check_positive_int(name, value)
+        if kv_cache_memory is not None:
+            check_positive_int("kv_cache_memory", kv_cache_memory)
+        if compile not in COMPILE_MODES:
+            raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+        check_flags(enable_prefix_caching=enable_prefix_caching, freeze_weights=freeze_weights,
+                    trust_remote_code=trust_remote_code)
+        check_dtype(dtype)
+        check_tokenizer(tokenizer)
+        strategy = KVCacheStrategy.parse(cache_strategy)
+        self.device = resolve_device(device)
+        module, self.tokenizer = load_model(model, tokenizer, trust_remote_code=trust_remote_code)
+        self.tp = None
+        if tensor_parallel_size > 1:
+            from kvgraph.parallel.group import local_device
+
+            self.device = local_device(self.device, tensor_parallel_size)
+        self.model = module.to(device=self.device, dtype=dtype).eval()
+        self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
+        if tensor_parallel_size > 1:
+            from kvgraph.parallel import TensorParallel
+
+            self.tp = TensorParallel.start(self.model, tensor_parallel_size, self.params, self.device, engine_args)
+            self.params = self.tp.local_params(self.params)
+            kv_cache_memory = kv_cache_memory and kv_cache_memory // tensor_parallel_size
+        self.manager = make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+        self.vocab_size = vocab_size(self.model)
+        import kvgraph
+
+        shown = CompileProgress(compile) if progress else None
+        self.compiled = kvgraph.compile(
+            self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights,
+            dump=shown.dump if shown else None,
+        )
+        self.runner = (
+            ModelRunner(self.compiled, shown) if self.tp is None
+            else self.tp.runner(self.compiled, self.manager, shown)
+        )
+        self.scheduler = Scheduler(
+            self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+            max_seq_len=max_seq_len, num_steps=num_steps,
+        )
+        self._stats = EngineStats()
+        self._requests: dict[int, EngineRequest] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._inboxes: dict[int, _Inbox] = {}  # request id -> its generate/stream call's inbox
+        if self.tp is not None and not self.tp.is_driver:
+            self.runner.serve()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine and leave its group (nothing otherwise)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _kv_params(self, strategy: KVCacheStrategy, page_size: int, prefix_caching: bool) -> KVCacheParams:
+        """From a Hugging Face config when there is one, else from the attention sites of the graph."""
+        kwargs = dict(
+            cache_strategy=strategy, page_size=page_size, enable_prefix_caching=prefix_caching,
+            device=self.device,
+        )
+        params = kv_params_from_config(self.model, **kwargs)
+        return params if params is not None else traced_kv_params(self.model, **kwargs)
+
+    # -- requests --
+    @_locked
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> int:
+        """Queue one prompt; returns its request id. Raises before queueing anything if the prompt
+        is empty, out of the vocabulary, longer than ``max_seq_len``, or can never fit the cache."""
+        return self._queue(*self._validate(prompt, sampling))
+
+    def check_prompts(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> None:
+        """Raise what ``generate(prompts, sampling)`` would raise for its inputs, queueing nothing and
+        compiling nothing: call it before :meth:`warmup` to refuse bad input at once."""
+        self._validate_all(prompts, sampling)
+
+    def encode(self, prompt: Prompt, sampling: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids after every check ``add_request`` makes (it raises what that raises),
+        queueing nothing. It reads only what never changes after construction, so it needs no lock:
+        a caller can tokenize and check while a step runs, then queue the ids."""
+        return self._validate(prompt, sampling)[0]
+
+    def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        sampling = check_sampling(sampling, self.vocab_size)
+        ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
+        check_fits(self.manager, ids, sampling, self.max_seq_len)
+        return ids, sampling
+
+    def _queue(self, ids: list[int], sampling: SamplingParams) -> int:
+        request = EngineRequest(
+            request_id=self._next_id, prompt_ids=ids, sampling=sampling,
+            eos_token_ids=self.eos_token_ids, generator=sampling.generator(self.device),
+        )
+        self._next_id += 1
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    @_locked
+    def abort(self, request_id: int) -> None:
+        """Stop a request now; its pages are freed at once (a finished request is left as is)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidParamsError(f"unknown request id {request_id!r}")
+        if not request.finished:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._stats.aborted += 1
+
+    @_locked
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @_locked
+    def pop(self, request_id: int) -> Completion:
+        """The request's completion, forgetting the request; one still unfinished is aborted first
+        (its pages are freed at once). A request queued with ``add_request`` is kept until popped."""
+        self.abort(request_id)
+        completion = self.completion(request_id)
+        del self._requests[request_id]
+        return completion
+
+    @_locked
+    def completion(self, request_id: int) -> Completion:
+        """The request's output so far (its final result once finished)."""
+        r = self._requests.get(request_id)
+        if r is None:
+            raise InvalidParamsError(f"unknown request id {request_id!r}")
+        return Completion(
+            token_ids=list(r.output_ids),
+            text=self._decode(r.output_ids),
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            prompt_tokens=len(r.prompt_ids),
+            cached_tokens=r.cached_tokens,
+            arrival_time=r.arrival_time,
+            token_times=list(r.token_times),
+            error=r.error,
+        )
+
+    # -- generation --
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_step: Callable[[list[TokenEvent]], None] | None = None,
+    ) -> list[Completion]:
+        """Run ``prompts`` (token-id lists or strings) to completion; one ``Completion`` each, in order.
+
+        ``sampling`` is one ``SamplingParams`` for all prompts or one per prompt. ``on_step``
+        is called after every step with the tokens it generated (a progress bar).
+        """
+        ids, inbox = self._add_all(prompts, sampling, text=on_step is not None)
+        with self._aborting_on_exit(ids):
+            for events in self._progress(ids, inbox):
+                if on_step is not None:
+                    on_step(events)
+        with self._lock:
+            return [self.pop(i) for i in ids]
+
+    def stream(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[TokenEvent]:
+        """Yield each token of ``prompts`` as soon as it is generated (``TokenEvent.index`` says whose).
+
+        Leaving the loop early (``break``, an exception) aborts what is left and frees its pages
+        as soon as the generator is closed (at once in CPython, when the loop drops it).
+        """
+        ids, inbox = self._add_all(prompts, sampling, text=True)
+        index = {rid: i for i, rid in enumerate(ids)}
+        with self._aborting_on_exit(ids):
+            for events in self._progress(ids, inbox):
+                for event in events:
+                    yield TokenEvent(
+                        event.request_id, index[event.request_id], event.token_id, event.text,
+                        event.finish_reason, event.error,
+                    )
+        with self._lock:
+            for i in ids:
+                self._requests.pop(i, None)
+
+    def _progress(self, ids: list[int], inbox: _Inbox) -> Iterator[list[TokenEvent]]:
+        """The events of requests ``ids`` as they come (each batch non-empty), until all are finished.
+
+        When none is waiting in ``inbox``, this caller runs the next step itself (for every
+        caller's requests, under the lock); whatever the step generates for other calls goes to
+        their inboxes. The events are handed out with the lock released.
+        """
+        while True:
+            with self._lock:
+                if not inbox.events and all(self._finished(i) for i in ids):
+                    return
+                if not inbox.events:
+                    self.step(detokenize=False)
+                events = list(inbox.events)
+                inbox.events.clear()
+            if events:
+                yield events
+
+    @_locked
+    def step(self, *, detokenize: bool = True) -> list[TokenEvent]:
+        """Schedule and run one batch (``num_steps`` decode steps for a batch of decodes).
+
+        Returns one event per generated token, with the text it adds when ``detokenize`` and
+        the engine has a tokenizer (``None`` otherwise); the events of requests a ``generate`` or
+        ``stream`` call waits on also go to that call. When the model raises, the batch's
+        requests finish with ``"error"`` (one event each, ``token_id=None``, the message in
+        ``error``), their pages are freed and the engine goes on with the others. A kvgraph error
+        (``KVCacheError``, ``BindingError``, ``LoweringError``) or an interrupt aborts the batch's
+        requests, frees their pages, and is raised.
+        """
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._stats.preemptions += len(out.preempted)
+        if not out.entries:
+            self._no_progress(out)
+            return []
+        compile_s = self.runner.compile_s
+        try:
+            run = self._run(out)
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, KVGRAPH_ERRORS):
+                return self._fail(out, exc)  # the model raised: only this step's requests fail
+            self._stats.aborted += len(out.entries)
+            self.scheduler.abort_all([e.request for e in out.entries])
+            raise
+        events = self._commit(out, run, detokenize)
+        self._stats.record_step(
+            len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps,
+            compiled=self.runner.compile_s > compile_s,
+        )
+        self._record_pages()
+        self._stats.record_occupancy(*occupancy(self.manager, self.scheduler.running))
+        return events
+
+    def _run(self, out: SchedulerOutput) -> _StepRun:
+        """Fetch, run the model ``out.num_steps`` times, sample, and commit the cache (``manager.step``)."""
+        kv_requests = out.kv_requests
+        kv_inputs = self.manager.fetch(kv_requests, num_steps=out.num_steps)
+        self._record_pages()  # the step's peak: before finished requests give their pages back
+        run = _StepRun()
+        new_tokens, starts = [], []
+        for entry in out.entries:
+            request, kv = entry.request, entry.kv
+            if request.num_computed == 0 and request.num_preemptions == 0:
+                request.cached_tokens = kv.cached_tokens
+                self._stats.prompt_tokens += len(request.prompt_ids)
+                self._stats.prefix_hit_tokens += kv.cached_tokens
+            if request.is_decode:
+                run.decode_tokens += out.num_steps
+            else:
+                run.prefill_tokens += len(kv.new_tokens)
+            new_tokens.append(kv.new_tokens)
+            starts.append(request.num_computed + kv.cached_tokens)
+        run.rows = [b for b, e in enumerate(out.entries) if e.completes_context]
+        input_ids, position_ids, offsets = prepare_step(new_tokens, starts, self.device)
+        params = [out.entries[b].request.sampling for b in run.rows]
+        generators = [out.entries[b].request.generator for b in run.rows]
+        sampled = []
+        for step in range(out.num_steps):
+            if step > 0:
+                # multistep: a batch of decodes, one token per sequence per step
+                kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
+                input_ids, position_ids = sampled[-1][None], position_ids + 1
+            logits = self.runner(kv_inputs, input_ids, position_ids, offsets)  # [batch, V]
+            sampled.append(sample(logits[run.rows], params, generators))
+        run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync
+        for step_tokens in run.tokens[:-1]:
+            for entry, token in zip(out.entries, step_tokens, strict=True):
+                entry.kv.tokens = [*entry.kv.tokens, token]
+        self.manager.step(kv_requests)
+        return run
+
+    def _fail(self, out: SchedulerOutput, exc: Exception) -> list[TokenEvent]:
+        """The model raised: finish the step's requests with ``"error"`` (their pages freed at once)
+        and keep serving the others. Returns one event per failed request."""
+        message = f"{type(exc).__name__}: {exc}"
+        events = []
+        for entry in out.entries:
+            request = entry.request
+            request.error = message
+            self.scheduler.finish(request, FinishReason.ERROR)
+            self._stats.failed += 1
+            event = TokenEvent(request.request_id, request.request_id, None, None, FinishReason.ERROR.value, message)
+            inbox = self._inboxes.get(request.request_id)
+            if inbox is not None:
+                inbox.events.append(event)
+            events.append(event)
+        self._record_pages()
+        return events
+
+    def _commit(self, out: SchedulerOutput, run: _StepRun, detokenize: bool) -> list[TokenEvent]:
+        """Advance each request by what ran, append its sampled tokens, finish the ones that stop."""
+        now = time.perf_counter()
+        for entry in out.entries:
+            entry.request.num_computed += len(entry.kv.tokens)
+        events = []
+        for col, b in enumerate(run.rows):
+            request = out.entries[b].request
+            for step_tokens in run.tokens:
+                if request.finished:
+                    break
+                token = step_tokens[col]
+                request.output_ids.append(token)
+                request.token_times.append(now)
+                reason = request.stop_reason(token, self.max_seq_len)
+                if reason is not None:
+                    self.scheduler.finish(request, reason)
+                    self._stats.finished += 1
+                events.append(self._event(request, token, detokenize))
+        return events
+
+    def _event(self, request: EngineRequest, token: int, detokenize: bool) -> TokenEvent:
+        """The token's event, also put in the inbox of the call waiting for the request, if any."""
+        inbox = self._inboxes.get(request.request_id)
+        text = None
+        if (detokenize or (inbox is not None and inbox.text)) and self.tokenizer is not None:
+            if request.detokenizer is None:
+                request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            text = request.detokenizer.delta(request.output_ids, final=request.finished)
+        reason = request.finish_reason.value if request.finished else None
+        event = TokenEvent(request.request_id, request.request_id, token, text, reason)
+        if inbox is not None:
+            inbox.events.append(event)
+        return event
+
+    def _record_pages(self) -> None:
+        self._stats.record_pages(*cache_usage(self.manager))
+
+    def _no_progress(self, out: SchedulerOutput) -> None:
+        """An empty batch with nothing preempted: the head of the queue can never fit."""
+        if out.preempted or not self.scheduler.waiting:
+            return
+        head = self.scheduler.waiting[0]
+        self.scheduler.finish(head, FinishReason.ABORT)
+        self._stats.aborted += 1
+        raise OutOfPagesError(
+            f"request {head.request_id} ({head.num_tokens} tokens) does not fit the empty cache "
+            f"({capacity_text(self.manager)})"
+        )
+
+    def warmup(self) -> float:
+        """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
+        specialises (several tokens per step; one token per step, ``T == 1``), then reset
+        the stats, so that the first real request runs at full speed. Without it the first
+        requests wait for the compile. Returns the seconds it took."""
+        start = time.perf_counter()
+        quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        n = min(3, self.max_seq_len)
+        self.generate([[0] * n, [0] * max(1, n - 1)], quick)
+        self.generate([[0] * n], quick)
+        self.reset_stats()
+        return time.perf_counter() - start
+
+    # -- stats --
+    @_locked
+    def stats(self) -> dict:
+        """Throughput (prefill and decode tokens/s, steps that compiled left out: their time is
+        ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
+        continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
+        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; and the
+        requests running and waiting now."""
+        self._record_pages()
+        self._stats.compiled_graphs = compiled_graphs(self.compiled)
+        self._stats.warmup_graphs = self.runner.warmup_graphs
+        self._stats.recompiles = self.runner.recompiles
+        return {
+            **self._stats.as_dict(),
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+        }
+
+    @_locked
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no running request holds, so that later prompts are
+        computed whatever earlier requests left; returns the pages forgotten. A benchmark calls it
+        before each timed run: a repeat must not be served by what the previous one cached."""
+        return self.manager.reset_prefix_cache()
+
+    @_locked
+    def reset_stats(self) -> None:
+        self._stats = EngineStats()
+        self._record_pages()
+
+    # -- helpers --
+    @_locked
+    def _add_all(self, prompts, sampling, text: bool) -> tuple[list[int], _Inbox]:
+        """Validate every prompt, then queue them all (nothing is queued if one is bad), with one
+        inbox for their events (``text``: the events carry the text they add)."""
+        ids = [self._queue(ids, s) for ids, s in self._validate_all(prompts, sampling)]
+        inbox = _Inbox(text=text)
+        self._inboxes.update(dict.fromkeys(ids, inbox))
+        return ids, inbox
+
+    def _validate_all(self, prompts, sampling) -> list[tuple[list[int], SamplingParams]]:
+        prompts = as_prompt_list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        elif not isinstance(sampling, (list, tuple)):
+            raise InvalidParamsError(
+                f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
+            )
+        if len(sampling) != len(prompts):
+            raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        return [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
+
+    def _finished(self, request_id: int) -> bool:
+        """Whether the request is finished (or already popped)."""
+        request = self._requests.get(request_id)
+        return request is None or request.finished
+
+    def _aborting_on_exit(self, ids: list[int]):
+        return _AbortOnExit(self, ids)
+
+    def _decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class _Inbox:
+    """Events generated for the requests of one ``generate``/``stream`` call, not yet handed out."""
+
+    text: bool
+    """Whether the events carry the text they add."""
+    events: deque[TokenEvent] = field(default_factory=deque)
+
+
+@dataclass
+class _StepRun:
+    """What one scheduled batch produced."""
+
+    rows: list[int] = field(default_factory=list)
+    """Entries whose context this step completes, so they get a token (all of them in multistep)."""
+    tokens: list[list[int]] = field(default_factory=list)
+    """``[num_steps][len(rows)]`` sampled token ids."""
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class _AbortOnExit:
+    """Abort the given requests that are still unfinished when the block exits, however it exits."""
+
+    def __init__(self, llm: LLM, ids: list[int]) -> None:
+        self.llm, self.ids = llm, ids
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        with self.llm._lock:
+            for i in self.ids:
+                self.llm._inboxes.pop(i, None)
+                request = self.llm._requests.get(i)
+                if request is not None and not request.finished:
+                    self.llm.abort(i)
+                if exc[0] is not None:
+                    self.llm._requests.pop(i, None)
+

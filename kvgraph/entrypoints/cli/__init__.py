@@ -1,0 +1,43 @@
+"""The ``kvgraph`` command line: ``generate``, ``bench``, ``dump`` and ``serve`` subcommands.
+
+Every caller mistake (unknown preset, missing checkpoint, bad sizes, a prompt that
+cannot fit) ends as one ``kvgraph <command>: error: ...`` line on stderr and a
+non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from kvgraph import __version__
+from kvgraph.entrypoints.cli import bench, dump, generate, serve
+from kvgraph.entrypoints.cli.common import ArgumentParser
+from kvgraph.errors import KVGRAPH_ERRORS
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="kvgraph",
+        description="Compile an unmodified decoder onto a paged KV cache and serve it with continuous batching.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvgraph {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=ArgumentParser)
+    for module in (generate, bench, dump, serve):
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KVGRAPH_ERRORS as e:
+        sys.stderr.write(f"kvgraph {args.command}: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"kvgraph {args.command}: interrupted\n")
+        return 130

@@ -1,0 +1,56 @@
+"""``kvgraph serve``: compile and warm up the model, then serve it over an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from kvgraph.entrypoints.cli.common import (
+    add_engine_args,
+    add_model_args,
+    build_llm,
+    non_negative_float,
+)
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+        "All requests batch together in one engine. The model is compiled and warmed up before the "
+        "server listens; SIGTERM or Ctrl-C stops it cleanly.",
+    )
+    add_model_args(p)
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    h.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: any free port)")
+    h.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
+    h.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                   help="seconds in-flight requests may take to finish on shutdown before they are "
+                   "aborted (default 30)")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgraph.entrypoints.serve.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvgraph.serve")
+    start = time.perf_counter()
+    llm = build_llm(args)
+    log.info("compiling and warming up %s", args.model)
+    llm.warmup()
+    log.info("compiled and warm in %.1fs", time.perf_counter() - start)
+    return serve(llm, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout)

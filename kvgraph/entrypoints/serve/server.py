@@ -1,0 +1,52 @@
+"""Run the app under uvicorn: one "ready" line once listening, a clean exit on SIGTERM / Ctrl-C.
+
+On the first SIGTERM or SIGINT the server stops accepting connections, lets the requests in
+flight finish (for at most ``shutdown_timeout`` seconds, then aborts them, freeing their pages),
+stops the engine thread and returns; a second Ctrl-C quits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import uvicorn
+
+from kvgraph.engine import LLM
+from kvgraph.entrypoints.serve.app import build_app
+
+log = logging.getLogger("kvgraph.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that logs where it listens once it does, and does not re-raise the signal that
+    stopped it (uvicorn's default, which would turn a clean shutdown into a signal exit status)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            log.info("ready: serving %s on http://%s:%d", self.config.app.state.serve.model_name, host, port)
+
+
+def serve(llm: LLM, model_name: str, host: str, port: int, shutdown_timeout: float) -> int:
+    """Serve ``llm`` (compiled and warm) until SIGTERM or Ctrl-C; returns the exit status (0)."""
+    app = build_app(llm, model_name)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", access_log=False,
+        timeout_graceful_shutdown=shutdown_timeout,
+    )
+    _Server(config).run()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,68 @@
+"""From a request's tokens to what the client gets: text pieces cut at stop strings, and
+server-sent events as the OpenAI clients read them (``data: {json}`` blocks, then ``data: [DONE]``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from kvgraph.entrypoints.serve.async_engine import EngineFailure, RequestHandle
+from kvgraph.entrypoints.serve.errors import error_body
+from kvgraph.entrypoints.serve.stop import StopStrings
+
+
+@dataclass
+class Piece:
+    """Text to send; the last piece of a request carries its ``finish_reason``."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """One request's output as it is read: ``num_tokens`` generated so far."""
+
+    handle: RequestHandle
+    stops: StopStrings
+    num_tokens: int = 0
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The text as it comes, ending at the first stop string (``finish_reason="stop"``, the
+        request aborted there) or at the engine's finish reason. Leaving early aborts the request."""
+        try:
+            async for event in self.handle:
+                self.num_tokens += 1
+                text, stopped = self.stops.feed(event.text or "")
+                if stopped:
+                    self.handle.abort("stop")
+                    yield Piece(text, "stop")
+                    return
+                if event.finish_reason is not None:
+                    yield Piece(text + self.stops.flush(), event.finish_reason)
+                    return
+                if text:
+                    yield Piece(text)
+        finally:
+            self.handle.abort()
+
+    async def text(self) -> tuple[str, str | None]:
+        """The whole text and the finish reason."""
+        parts, reason = [], None
+        async for piece in self.pieces():
+            parts.append(piece.text)
+            reason = piece.finish_reason
+        return "".join(parts), reason
+
+
+async def server_sent_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Each chunk as an SSE ``data:`` block, an engine failure as an error block, then ``[DONE]``."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except EngineFailure as e:
+        yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,182 @@
+"""Build and load the C++ CPU kernel of ``kvgraph::ragged_attention`` (``csrc/ragged_attention_cpu.cpp``).
+
+The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
+compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself runs on this CPU
+(``torch.backends.cpu.get_cpu_capability()``), and cached in PyTorch's extension directory
+(``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second.
+
+``KVGRAPH_CPU_ATTENTION`` chooses the CPU implementation:
+
+- ``auto`` (default): the C++ kernel; if it cannot be built, one warning that says why and how to
+  fix it, then the SDPA path (:mod:`kvgraph.ops.cpu`).
+- ``cpp``: the C++ kernel; a failed build raises :class:`CppKernelError`.
+- ``sdpa``: the SDPA path, no compiler needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
+ENV = "KVGRAPH_CPU_ATTENTION"
+CHOICES = ("auto", "cpp", "sdpa")
+# SIMD flags per PyTorch CPU capability; ATen's vectorized types follow CPU_CAPABILITY_*.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
+class CppKernelError(RuntimeError):
+    """The C++ CPU kernel was asked for (``KVGRAPH_CPU_ATTENTION=cpp``) but cannot be built or loaded."""
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def choice() -> str:
+    """The implementation ``KVGRAPH_CPU_ATTENTION`` asks for; ``CppKernelError`` for an unknown value."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise CppKernelError(f"{ENV}={value!r} is not one of {', '.join(CHOICES)}")
+    return value
+
+
+def capability() -> str:
+    """The SIMD level the kernel is built for: PyTorch's own on this CPU (``AVX2``, ``AVX512``, ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build() -> None:
+    """Compile (or load from the cache) the kernel and register ``torch.ops.kvgraph_cpu.ragged_attention``.
+
+    Raises ``CppKernelError`` with the reason: no C++ compiler, no ninja, or the compiler's error.
+    """
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if "c++" in missing and shutil.which(os.environ.get("CXX", "g++")) is not None:
+        missing.remove("c++")
+    if "ninja" in missing and _put_pip_ninja_on_path():
+        missing.remove("ninja")
+    if missing:
+        raise CppKernelError(
+            f"cannot build the C++ CPU attention kernel: {' and '.join(missing)} not found on PATH "
+            "(install a C++ compiler, e.g. `apt-get install g++`, and `pip install ninja`)"
+        )
+    from torch.utils import cpp_extension
+
+    level = capability()
+    flags = ["-O3", "-fopenmp", "-std=c++17", *CAPABILITY_FLAGS.get(level, [])]
+    try:
+        cpp_extension.load(
+            name=f"kvgraph_cpu_attention_{level.lower()}",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # the compiler's or loader's message, whatever its type
+        raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
+
+
+def _put_pip_ninja_on_path() -> bool:
+    """Put the ``ninja`` of the ``ninja`` pip package (a dependency of kvgraph) on ``PATH``, where
+    ``torch.utils.cpp_extension`` looks for it: an un-activated virtualenv's ``bin`` is not there."""
+    try:
+        import ninja
+
+        bin_dir = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(bin_dir, "ninja")):
+        return False
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return True
+
+
+def available() -> bool:
+    """Whether the C++ kernel is to be used: built and loaded once per process, as :func:`choice` says.
+
+    With ``auto``, a failed build warns once and returns ``False`` (the SDPA path runs);
+    with ``cpp`` it raises ``CppKernelError``; with ``sdpa`` it is ``False`` without building.
+    """
+    wanted = choice()
+    if wanted == "sdpa":
+        return False
+    if "ok" not in _state:
+        try:
+            _kernel()
+        except CppKernelError as e:
+            _state["ok"], _state["error"] = False, e
+            if wanted == "auto":
+                message = f"{e}; kvgraph falls back to the slower SDPA attention path on the CPU"
+                logger.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+    if not _state["ok"] and wanted == "cpp":
+        raise CppKernelError(str(_state["error"]))
+    return bool(_state["ok"])
+
+
+def _kernel():
+    """``torch.ops.kvgraph_cpu.ragged_attention.default``, built and loaded once per process."""
+    kernel = _state.get("kernel")
+    if kernel is None:
+        with _lock:
+            if "kernel" not in _state:
+                build()
+                _state["ok"], _state["kernel"] = True, torch.ops.kvgraph_cpu.ragged_attention.default
+            kernel = _state["kernel"]
+    return kernel
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    max_lengths: torch.Tensor,
+    layer_idx: int,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The op on CPU tensors through the C++ kernel (arguments as ``torch.ops.kvgraph.ragged_attention``).
+
+    Checks the metadata here (:func:`~kvgraph.ops.checks.check_inputs`) and the index values in
+    C++; either raises ``CacheInputError`` before anything is written. Builds the kernel on first use.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place, contiguous);
+        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
+        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
+        sliding_window: keys each token sees, itself included (``None``: all before it);
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype, accumulated in float32 (float64 for float64 inputs).
+    """
+    from kvgraph.errors import CacheInputError
+    from kvgraph.ops.checks import check_inputs
+
+    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                 sliding_window, softcap)
+    kernel = _kernel()
+    try:
+        return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
+                      sliding_window, softcap)
+    except ValueError as e:
+        raise CacheInputError(str(e)) from None

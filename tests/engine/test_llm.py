@@ -1,0 +1,301 @@
+"""kvgraph.LLM end to end on the tiny Llama preset: greedy output equals the model's own eager greedy."""
+
+import pytest
+import torch
+
+from kvgraph.cache.params import KVCacheParams
+from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine.stats import kv_usage_text
+from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
+
+PAGE = 4
+POOL_PAGES = 24
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    """A paged engine with a tiny pool (24 pages of 4 tokens: less than one max_seq_len=100
+    sequence) and a 32-token step budget."""
+    model, tokenizer = llama
+    c = model.config
+    page_bytes = KVCacheParams(torch.float32, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                               c.num_hidden_layers, page_size=PAGE).page_bytes
+    return LLM(
+        model, tokenizer=tokenizer, page_size=PAGE, max_batch_size=8, max_seq_len=100, max_batch_tokens=32,
+        kv_cache_memory=POOL_PAGES * page_bytes, compile="eager",
+    )
+
+
+def _all_free(llm: LLM) -> bool:
+    m = llm.manager
+    return m.free_pages == m.total_pages and m.num_claimed == 0 and not llm.has_unfinished()
+
+
+def test_pool_is_the_requested_size(llm):
+    assert llm.manager.total_pages == POOL_PAGES and llm.manager.page_size == PAGE
+
+
+def test_mixed_prompts_with_a_shared_prefix_match_hf_greedy(llm, llama, hf_greedy, shared_prefix_prompts):
+    model, _ = llama
+    prompts = shared_prefix_prompts(12, [3, 9, 1, 6])
+    first = [prompts[0][:12] + [258] * 5]
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    llm.reset_stats()
+    llm.generate(first, sampling)  # commits the prefix pages to the prefix cache
+    outs = llm.generate(prompts, sampling)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, 8)
+        assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
+    assert [out.cached_tokens for out in outs] == [12] * 4  # three full pages of the shared prefix
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] >= 48 and stats["prefix_hit_rate"] > 0
+    assert _all_free(llm)
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_step_budget(llm, llama, hf_greedy, shared_prefix_prompts):
+    model, _ = llama
+    (prompt,) = shared_prefix_prompts(0, [70], seed=1)  # 70 > max_batch_tokens=32: three chunks
+    llm.reset_stats()
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out.token_ids == hf_greedy(model, prompt, 6)
+    stats = llm.stats()
+    assert stats["prefill_tokens"] == 70 and stats["steps"] == 3 + 5
+    assert _all_free(llm)
+
+
+def test_preemption_by_recompute_gives_the_unpreempted_output(llm, llama, hf_greedy, shared_prefix_prompts):
+    model, _ = llama
+    prompts = shared_prefix_prompts(0, [10, 14, 7, 12, 9], seed=2)  # 5 x 7..9 pages > 24 pages
+    llm.reset_stats()
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert llm.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, 20)
+    assert _all_free(llm)
+
+
+def test_abort_frees_the_pages_at_once_and_the_others_finish(llm, llama, hf_greedy, shared_prefix_prompts):
+    model, _ = llama
+    prompts = shared_prefix_prompts(0, [9, 5, 6], seed=3)
+    tokens = {0: [], 1: [], 2: []}
+    aborted = False
+    for event in llm.stream(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True)):
+        tokens[event.index].append(event.token_id)
+        if event.index == 1 and len(tokens[1]) == 2 and not aborted:
+            free = llm.manager.free_pages
+            llm.abort(event.request_id)
+            assert llm.manager.free_pages > free
+            aborted = True
+    assert len(tokens[1]) == 2
+    assert tokens[0] == hf_greedy(model, prompts[0], 6) and tokens[2] == hf_greedy(model, prompts[2], 6)
+    assert _all_free(llm)
+
+
+def test_stop_tokens_end_the_request_and_are_kept(llm, llama, hf_greedy):
+    model, _ = llama
+    prompt = [5, 17, 33, 90, 4]
+    ref = hf_greedy(model, prompt, 10)
+    stop = ref[4]
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=10, stop_token_ids=[stop]))
+    assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    prompt = [9, 8, 7, 6, 5]
+    p = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
+    (a,) = llm.generate([prompt], p)
+    b = llm.generate([[3, 4, 5], prompt, [200, 100]], [SamplingParams(max_new_tokens=5), p, p])[1]
+    (c,) = llm.generate([prompt], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, seed=8))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_requests_that_can_never_run_are_rejected_up_front(llm):
+    with pytest.raises(SequenceLengthError, match="prompt of 101 tokens is longer than max_seq_len=100"):
+        llm.generate([[5] * 10, [5] * 101])
+    with pytest.raises(OutOfPagesError, match="needs 25 pages; the pool has 24 pages of 4 tokens"):
+        llm.generate([[5] * 90], SamplingParams(max_new_tokens=8))  # 97 tokens to cache
+    llm.generate([[5] * 90], SamplingParams(max_new_tokens=7))  # 96 fit
+    with pytest.raises(InvalidParamsError, match="prompt is empty"):
+        llm.generate([[]])
+    with pytest.raises(InvalidParamsError, match=r"prompt token 259 is not an id in \[0, 259\)"):
+        llm.generate([[3, 259]])
+    assert _all_free(llm)  # nothing was queued, not even the good prompt
+
+
+def test_text_prompts_are_tokenized_and_detokenized(llm, llama, hf_greedy):
+    model, tokenizer = llama
+    (out,) = llm.generate("Hello, kvgraph", SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert out.token_ids == hf_greedy(model, tokenizer.encode("Hello, kvgraph"), 5)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stats_report_the_documented_figures(llm):
+    llm.warmup()  # compiled steps are left out of the rates
+    llm.generate([[250, 251, 252], [253, 254]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["batch_size_histogram"] == {2: 4}
+    assert stats["decode_tokens"] == 6 and stats["prefill_tokens"] == 5
+    assert stats["prefill_tokens_per_s"] > 0 and stats["decode_tokens_per_s"] > 0
+    assert stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == POOL_PAGES
+    assert stats["kv_pages_peak"] == 4 and 0 <= stats["kv_waste"] < 1
+    assert stats["compiled_graphs"] >= 1 and stats["preemptions"] == 0
+
+
+def test_bad_constructor_arguments_raise_before_compiling(llama):
+    model, _ = llama
+    with pytest.raises(InvalidParamsError, match="max_batch_tokens must be a positive int, got 0"):
+        LLM(model, max_batch_tokens=0)
+    with pytest.raises(InvalidParamsError, match="compile must be one of inductor, eager, got 'tvm'"):
+        LLM(model, compile="tvm")
+    with pytest.raises(InvalidParamsError, match="checkpoint directory '/no/such/dir' does not exist"):
+        LLM("/no/such/dir")
+
+
+def test_multistep_decoding_matches_single_steps(llama, hf_greedy):
+    model, _ = llama
+    llm = LLM(model, page_size=8, max_batch_size=4, max_seq_len=64, num_steps=4, compile="eager")
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 3, 7]]
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (11, 6, 9)])
+    for prompt, out, n in zip(prompts, outs, (11, 6, 9), strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, n)
+    stats = llm.stats()
+    assert stats["model_calls"] > stats["steps"]  # several decode steps per schedule
+    assert llm.manager.free_pages == llm.manager.total_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze_weights", [True, False], ids=["frozen", "weights-as-inputs"])
+def test_inductor_with_and_without_frozen_weights_matches_hf_greedy(llama, hf_greedy, freeze_weights):
+    model, _ = llama
+    llm = LLM(model, page_size=8, max_batch_size=4, max_seq_len=64, freeze_weights=freeze_weights)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 7) for p in prompts]
+    assert llm.compiled.backend.options.freeze_weights is freeze_weights
+
+
+def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
+    from kvgraph.presets import save_preset
+
+    save_preset("llama-tiny", tmp_path)
+    llm = LLM(str(tmp_path), cache_strategy="continuous", max_batch_size=2, max_seq_len=48, compile="eager")
+    assert llm.tokenizer is not None
+    prompts = ["abc", "a longer prompt", "xyz!"]  # three requests, two slots
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(llm.model, llm.tokenizer.encode(prompt), 7)
+    assert len(llm.manager.slots_remaining) == 2
+    stats = llm.stats()
+    assert (stats["kv_unit"], stats["kv_unit_tokens"], stats["kv_pages_total"]) == ("slot", 48, 2)
+    assert kv_usage_text(stats).startswith("peak 2 of 2 KV slots (48 tokens each, reserved whole: ")
+
+
+def test_a_preset_name_brings_its_model_and_tokenizer(llama, hf_greedy):
+    llm = LLM("llama-tiny", max_batch_size=2, max_seq_len=48, compile="eager")
+    (out,) = llm.generate("a text prompt", SamplingParams(max_new_tokens=5, ignore_eos=True))
+    model, tokenizer = llama
+    assert out.token_ids == hf_greedy(model, tokenizer.encode("a text prompt"), 5)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_rates_leave_out_the_steps_that_compiled(llama):
+    model, tokenizer = llama
+    llm = LLM(model, tokenizer=tokenizer, max_batch_size=2, max_seq_len=48, compile="eager", progress=False)
+    llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    stats = llm.stats()
+    # prefill (T = 3) compiles graph 1, the first decode (T = 1) graph 2; only the last decode is timed
+    assert stats["steps"] == 3 and stats["compile_steps"] == 2 and stats["compile_time_s"] > 0
+    assert stats["prefill_tokens"] == 3 and stats["prefill_time_s"] == 0 and stats["prefill_tokens_per_s"] == 0
+    assert stats["decode_tokens"] == 2 and stats["decode_tokens_per_s"] == 1 / stats["decode_time_s"]
+    assert stats["warmup_graphs"] == stats["compiled_graphs"] == 2 and stats["recompiles"] == 0
+    llm.warmup()
+    assert llm.stats()["compile_steps"] == 0 and llm.stats()["warmup_graphs"] == 2
+
+
+def test_an_unknown_model_name_lists_the_presets():
+    with pytest.raises(InvalidParamsError, match="unknown model 'llama-huge': not a preset \\(llama-tiny, "):
+        LLM("llama-huge")
+
+
+class TinyGPT(torch.nn.Module):
+    """A module that is not a Hugging Face model: embeddings, causal SDPA blocks, logits."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, max_pos=128):
+        super().__init__()
+        self.heads = heads
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(max_pos, dim)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, position_ids):
+        x = self.tok(input_ids) + self.pos(position_ids)  # x: [1, T, C]
+        B, T, C = x.shape
+        for qkv, proj in zip(self.qkv, self.proj, strict=True):
+            q, k, v = qkv(x).split(C, dim=-1)
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.head(x)
+
+
+def test_a_plain_module_matches_its_own_eager_greedy(eager_greedy):
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    llm = LLM(model, page_size=4, max_batch_size=4, max_seq_len=64, compile="eager")
+    assert (llm.params.num_layers, llm.params.n_kv_heads, llm.params.head_dim) == (2, 4, 8)
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [60, 61, 62]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == eager_greedy(model, prompt, 6)
+    with pytest.raises(InvalidParamsError, match="text prompt 'hi' needs a tokenizer"):
+        llm.generate("hi")
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "qwen2-tiny"])
+def test_other_presets_match_hf_greedy(preset, hf_greedy):
+    from kvgraph.presets import load_preset
+
+    model, tokenizer = load_preset(preset)
+    llm = LLM(model, tokenizer=tokenizer, page_size=8, max_batch_size=4, max_seq_len=64, compile="eager")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41], [100, 3, 7, 200]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, 7)
+
+
+def test_after_warmup_no_batch_or_token_count_compiles_a_new_graph(llm):
+    assert llm.warmup() > 0
+    graphs = llm.stats()["compiled_graphs"]
+    assert graphs >= 2  # several tokens per step, and one (T == 1)
+    llm.generate([[7] * 20, [8] * 3, [9] * 41, [10]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    llm.generate([[11] * 6], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert llm.stats()["compiled_graphs"] == graphs
+    assert llm.stats()["steps"] > 0
+
+
+def test_seeded_sampling_survives_preemption(llm, shared_prefix_prompts):
+    prompts = shared_prefix_prompts(0, [10, 14, 7, 12, 9], seed=5)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(5)]
+    llm.reset_stats()
+    together = llm.generate(prompts, params)
+    assert llm.stats()["preemptions"] > 0
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        (alone,) = llm.generate([prompt], p)
+        assert out.token_ids == alone.token_ids
+
+
+def test_stream_text_adds_up_and_breaking_out_frees_everything(llm):
+    pieces, ids = [], []
+    for event in llm.stream("stream me", SamplingParams(max_new_tokens=6, ignore_eos=True)):
+        pieces.append(event.text)
+        ids.append(event.token_id)
+    assert event.finish_reason == "length" and len(ids) == 6
+    assert "".join(pieces) == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    for event in llm.stream(["a", "bb", "ccc"], SamplingParams(max_new_tokens=10)):
+        if event.index == 2:
+            break
+    assert _all_free(llm)

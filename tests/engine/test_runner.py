@@ -1,0 +1,71 @@
+import torch
+
+from kvgraph.cache.inputs import RaggedKVCacheInputs
+from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine.runner import ModelRunner
+
+
+def _meta_step(tokens: int, batch: int):
+    """KV inputs, ids, positions and row offsets of a step on the meta device: shapes only, so any
+    read of a value (a host sync) raises."""
+    meta = dict(device="meta", dtype=torch.int32)
+    kv = RaggedKVCacheInputs(
+        torch.empty(8, 2, 1, 4, 1, 2, device="meta"), torch.empty(batch, **meta),
+        torch.empty(batch, 2, **meta), torch.tensor([[tokens, tokens]], dtype=torch.int32),
+    )
+    ids = torch.empty(1, tokens, dtype=torch.long, device="meta")
+    return [kv], ids, ids, torch.empty(batch + 1, **meta)
+
+
+def test_runner_records_call_shapes_from_shapes_alone_and_only_inside_the_block():
+    runner = ModelRunner(lambda input_ids, position_ids: torch.empty(1, 3, 10, device="meta"))
+    runner(*_meta_step(5, 3))
+    with runner.record_shapes() as shapes:
+        runner(*_meta_step(7, 3))
+        runner(*_meta_step(3, 3))
+    runner(*_meta_step(3, 3))
+    assert shapes == [(7, 3), (3, 3)]
+    with runner.record_shapes() as again:
+        pass
+    assert again == [] and shapes == [(7, 3), (3, 3)]
+
+
+def test_engine_records_one_shape_per_model_call(llama):
+    model, _ = llama
+    llm = LLM(model, max_batch_size=4, max_seq_len=64, compile="eager")
+    with llm.runner.record_shapes() as shapes:
+        llm.generate([[5] * 30, [6] * 9, [7] * 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert shapes == [(42, 3), (3, 3), (3, 3)]
+
+
+class _Compiling:
+    """A compiled model whose backend gains a graph on the first call of each shape class and on
+    any call with 9 new tokens (a recompile); returns meta logits."""
+
+    def __init__(self) -> None:
+        self.backend = type("Backend", (), {"runners": []})()
+        self.classes: set[bool] = set()
+
+    def __call__(self, input_ids, position_ids):
+        tokens = input_ids.shape[1]
+        if tokens == 9 or (tokens == 1) not in self.classes:
+            self.backend.runners.append(tokens)
+        self.classes.add(tokens == 1)
+        return torch.empty(1, 2, 10, device="meta")
+
+
+def test_runner_counts_warm_up_graphs_apart_from_recompiles_and_labels_them_in_call_order():
+    import io
+
+    from kvgraph.engine.progress import CompileProgress
+
+    out = io.StringIO()
+    runner = ModelRunner(_Compiling(), CompileProgress("eager", out))
+    for tokens in (1, 4, 1, 9, 5):
+        runner(*_meta_step(tokens, 2))
+    assert (runner.warmup_graphs, runner.recompiles) == (2, 1) and runner.compile_s > 0
+    done = [line for line in out.getvalue().splitlines() if line.startswith("kvgraph: compiled ")]
+    assert [line.split(" in ")[0] for line in done] == [
+        "kvgraph: compiled graph 1 of 2 (one new token, T == 1)",
+        "kvgraph: compiled graph 2 of 2 (several new tokens, T > 1)",
+    ]

@@ -1,0 +1,237 @@
+"""``kvgraph serve`` end to end: a real server process and the official ``openai`` client.
+
+One server serves the whole module (its start-up compiles the model); the last test stops it
+with SIGTERM. Greedy outputs are checked against ``kvgraph.LLM`` run in this process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from kvgraph.engine import LLM, SamplingParams
+from kvgraph.entrypoints.serve.chat import DEFAULT_CHAT_TEMPLATE
+from kvgraph.presets import load_preset
+
+MODEL = "llama-tiny"
+MAX_SEQ_LEN = 512
+ENGINE_FLAGS = ["--model", MODEL, "--compile", "eager", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "32"]
+CONCURRENT = 24
+WAIT_STEPS = 600  # bounded polls of /metrics, 0.05 s apart
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(*ENGINE_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The same model and engine settings in this process."""
+    model, tokenizer = load_preset(MODEL)
+    return LLM(model, tokenizer=tokenizer, compile="eager", max_seq_len=MAX_SEQ_LEN, max_batch_size=32)
+
+
+def _greedy(llm: LLM, prompt, max_tokens: int):
+    (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=max_tokens))
+    return out
+
+
+def _post(server, path: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(server.url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _wait_until(predicate) -> bool:
+    for _ in range(WAIT_STEPS):
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_health_and_models(server, client):
+    assert json.loads(server.get("/health")) == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_the_engine(client, reference):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ref = _greedy(reference, prompt, 12)
+    choice = out.choices[0]
+    assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == ref.prompt_tokens and out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == ref.prompt_tokens + len(ref.token_ids)
+
+
+def test_token_id_prompt(client, reference):
+    ids = [5, 60, 7, 200, 31]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert out.choices[0].text == _greedy(reference, ids, 6).text
+
+
+def test_stream_chunks_join_to_the_non_stream_text(client):
+    args = dict(model=MODEL, prompt="Streaming works", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_uses_the_default_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    text = "<|system|>\nBe brief.\n<|user|>\nSay something\n<|assistant|>\n"
+    assert reference.tokenizer.apply_chat_template(
+        messages, chat_template=DEFAULT_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    ) == text
+    ref = _greedy(reference, reference.tokenizer.encode(text, add_special_tokens=False), 10)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == ref.prompt_tokens
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_stop_string_cuts_the_text(client):
+    args = dict(model=MODEL, prompt="Stop somewhere", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0].text
+    stop = full[8:10]
+    assert len(stop) == 2
+    expected = full[: full.index(stop)]
+    out = client.completions.create(**args, stop=[stop])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(**args, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_is_reproducible(client):
+    args = dict(model=MODEL, prompt="Sample me", max_tokens=16, temperature=0.9, top_p=0.95, seed=11,
+                extra_body={"top_k": 50, "ignore_eos": True})
+    assert client.completions.create(**args).choices[0].text == client.completions.create(**args).choices[0].text
+
+
+def test_concurrent_requests_equal_their_runs_alone(server, client, reference):
+    prompts = [f"Request number {i} says" + " hi" * (i % 5) for i in range(CONCURRENT)]
+
+    def complete(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+
+    alone = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        together = list(pool.map(complete, prompts))
+    assert together == alone
+    assert alone == [c.text for c in reference.generate(prompts, SamplingParams(max_new_tokens=16))]
+    assert _wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
+    assert server.metric("kvgraph_requests_running") == 0 and server.metric("kvgraph_requests_waiting") == 0
+
+
+BAD_REQUESTS = {
+    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1 (got -1)"),
+    "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model 'gpt-4' does not exist; this server serves 'llama-tiny'"),
+    "prompt over max_seq_len": ({"prompt": [5] * (MAX_SEQ_LEN + 1)}, 400, f"prompt of {MAX_SEQ_LEN + 1} tokens is longer than max_seq_len={MAX_SEQ_LEN}"),
+    "n > 1": ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    "negative temperature": ({"prompt": "x", "temperature": -0.5}, 400, "temperature: Input should be greater than or equal to 0 (got -0.5)"),
+    "top_p of 0": ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0 (got 0)"),
+    "token outside the vocabulary": ({"prompt": [3, 259]}, 400, r"prompt token 259 is not an id in [0, 259)"),
+    "empty prompt": ({"prompt": ""}, 400, "prompt is empty"),
+    "several prompts": ({"prompt": ["a", "b"]}, 400, "got 2 prompts; send one request per prompt"),
+    "no prompt": ({}, 400, "prompt: required"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, client, case):
+    fields, status, message = BAD_REQUESTS[case]
+    code, body = _post(server, "/v1/completions", json.dumps({"model": MODEL, **fields}).encode())
+    assert code == status
+    assert message in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_malformed_json_and_unknown_paths(server):
+    code, body = _post(server, "/v1/completions", b'{"model": "llama-tiny", "prompt":')
+    assert code == 400 and body["error"]["message"].startswith("the body is not valid JSON")
+    code, body = _post(server, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode())
+    assert code == 400 and "messages" in body["error"]["message"]
+    code, body = _post(server, "/v1/embeddings", b"{}")
+    assert code == 404 and body["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_raises_the_documented_errors(client):
+    with pytest.raises(openai.NotFoundError, match="model 'nope' does not exist") as error:
+        client.completions.create(model="nope", prompt="x")
+    assert error.value.code == "model_not_found" and error.value.param == "model"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=0)
+
+
+def test_disconnect_mid_stream_frees_the_pages(server):
+    aborted = 'kvgraph_requests_finished_total{finish_reason="abort"}'
+    before = server.metric(aborted)
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")  # the first token arrived
+    conn.close()
+    assert _wait_until(lambda: server.metric(aborted) == before + 1)
+    assert _wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
+    assert server.metric("kvgraph_generated_tokens_total") > 0
+    for name in ("kvgraph_time_to_first_token_seconds_count", "kvgraph_inter_token_latency_seconds_count"):
+        assert server.metric(name) > 0
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(server, client):
+    """Last in the module: it stops the shared server."""
+    first_chunk = threading.Event()
+    result: dict = {}
+
+    def stream() -> None:
+        chunks = []
+        for chunk in client.completions.create(model=MODEL, prompt="in flight", max_tokens=100, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+            first_chunk.set()
+        result["chunks"] = chunks
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert first_chunk.wait(120)
+    assert server.stop(signal.SIGTERM) == 0
+    thread.join(120)
+    assert not thread.is_alive()
+    chunks = result["chunks"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert any("ready: serving" in line for line in server.log)
+    with pytest.raises(openai.APIConnectionError):
+        client.models.list()

@@ -1,0 +1,78 @@
+"""Building and choosing the C++ CPU kernel: KVGRAPH_CPU_ATTENTION, clear errors, the fallback."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvgraph.ops import cpp
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """An empty build state for this test (the process's real one is put back afterwards)."""
+    monkeypatch.setattr(cpp, "_state", {})
+
+
+def test_unknown_choice_is_refused(monkeypatch):
+    monkeypatch.setenv(cpp.ENV, "fast")
+    with pytest.raises(cpp.CppKernelError, match=r"KVGRAPH_CPU_ATTENTION='fast' is not one of auto, cpp, sdpa"):
+        cpp.choice()
+
+
+def test_sdpa_choice_never_builds(monkeypatch, fresh_state):
+    monkeypatch.setenv(cpp.ENV, "sdpa")
+    monkeypatch.setattr(cpp, "build", lambda: pytest.fail("built"))
+    assert cpp.available() is False
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cpp.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp, "_put_pip_ninja_on_path", lambda: False)
+    with pytest.raises(cpp.CppKernelError, match=r"c\+\+ and ninja not found on PATH \(install a C\+\+ compiler"):
+        cpp.build()
+
+
+def test_auto_warns_once_and_falls_back(monkeypatch, fresh_state):
+    monkeypatch.setenv(cpp.ENV, "auto")
+
+    def fail():
+        raise cpp.CppKernelError("no compiler here")
+
+    monkeypatch.setattr(cpp, "build", fail)
+    with pytest.warns(RuntimeWarning, match="no compiler here; kvgraph falls back to the slower SDPA"):
+        assert cpp.available() is False
+    assert cpp.available() is False  # decided once: no second warning or build
+
+
+def test_cpp_choice_raises_when_the_build_fails(monkeypatch, fresh_state):
+    monkeypatch.setenv(cpp.ENV, "cpp")
+
+    def fail():
+        raise cpp.CppKernelError("no compiler here")
+
+    monkeypatch.setattr(cpp, "build", fail)
+    with pytest.raises(cpp.CppKernelError, match="no compiler here"):
+        cpp.available()
+
+
+def test_the_kernel_builds_for_this_cpu_with_the_op_schema():
+    cpp.build()
+    cpp.build()  # loading again is a no-op
+    ours = torch.ops.kvgraph_cpu.ragged_attention.default._schema
+    op = torch.ops.kvgraph.ragged_attention.default._schema
+    assert [(a.name, str(a.type), a.default_value, a.is_out) for a in ours.arguments] == [
+        (a.name, str(a.type), a.default_value, a.is_out) for a in op.arguments
+    ]
+    assert [a.name for a in ours.arguments[-3:]] == ["scale", "sliding_window", "softcap"]
+    assert ours.arguments[3].alias_info.is_write  # kv_blocks is written in place
+
+
+@pytest.mark.parametrize("choice", ["sdpa", "cpp"])
+def test_the_op_serves_cpu_tensors_with_the_chosen_path(choice):
+    """In a fresh process (the choice is made once per process)."""
+    code = "from kvgraph.ops.attention import cpu_implementation; print(cpu_implementation())"
+    env = {**__import__("os").environ, cpp.ENV: choice}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == choice
