@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from kvgraph.engine import LLM
 from kvgraph.entrypoints.cli.baselines import hf_generate
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.cli.common import DTYPES
 from kvgraph.entrypoints.cli.divergence import explain
 from kvgraph.entrypoints.cli.floor import matmul_floor
 from kvgraph.entrypoints.cli.flops import gemm_peak_gflops, workload_flops
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 

@@ -17,8 +17,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
 from kvgraph.entrypoints.cli.common import DTYPES
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 

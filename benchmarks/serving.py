@@ -28,7 +28,8 @@ import time
 import httpx2
 import torch
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.launch import ServerProcess
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload, workload_names

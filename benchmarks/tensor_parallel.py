@@ -30,7 +30,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 

@@ -35,7 +35,8 @@ _EXPORTS = {
     "kvgraph.compiler.runtime": ["bind"],
     "kvgraph.compiler.step": ["prepare_step", "run_step"],
     "kvgraph.compiler.backend": ["compile", "kvgraph_backend"],
-    "kvgraph.engine": ["LLM", "SamplingParams", "Completion"],
+    "kvgraph.engine": ["EngineConfig", "SamplingParams", "Completion"],
+    "kvgraph.entrypoints.llm": ["LLM"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -15,8 +15,9 @@ from kvgraph import KVRequest, load_kv_manager
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.compiler.backend import KVGraphBackend
 from kvgraph.compiler.step import prepare_step
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
 from kvgraph.entrypoints.cli import main
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.errors import (
     BatchSizeError,
     BatchTypeError,

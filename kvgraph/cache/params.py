@@ -38,6 +38,13 @@ class KVCacheStrategy(str, enum.Enum):
         return KVCacheStrategy.PAGED if self is KVCacheStrategy.MODEL_DEFAULT else self
 
 
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` if it is a positive int, else ``InvalidParamsError`` naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidParamsError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def parse_device(device: object) -> torch.device:
     """``device`` as a ``torch.device``; ``InvalidParamsError`` naming it if it is not one."""
     try:
@@ -72,9 +79,7 @@ class KVCacheParams:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise InvalidParamsError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
         for name in ("n_kv_heads", "head_dim", "num_layers", "n_devices"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidParamsError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.n_kv_heads % self.n_devices:
             raise InvalidParamsError(
                 f"n_kv_heads={self.n_kv_heads} does not split across n_devices={self.n_devices}"
@@ -82,8 +87,7 @@ class KVCacheParams:
         if self.cache_strategy is KVCacheStrategy.PAGED:
             if self.page_size is None:
                 raise InvalidParamsError("page_size is required for the PAGED strategy, got None")
-            if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size <= 0:
-                raise InvalidParamsError(f"page_size must be a positive int, got {self.page_size!r}")
+            check_positive_int("page_size", self.page_size)
         elif self.enable_prefix_caching:
             raise InvalidParamsError(
                 f"enable_prefix_caching=True needs cache_strategy=PAGED, got {self.cache_strategy.value}"

@@ -1,7 +1,13 @@
-"""The continuous-batching engine: ``LLM``, ``SamplingParams``, ``Completion``."""
+"""The continuous-batching engine (``kvgraph.engine.llm_engine.LLMEngine``), its ``EngineConfig``, and
+the request types: ``SamplingParams``, ``Completion``, ``TokenEvent``.
 
-from kvgraph.engine.llm_engine import LLM
+Users build the engine as ``kvgraph.LLM`` (``kvgraph.entrypoints.llm``), which also picks its runner
+strategy (one process, or tensor parallelism). This package imports only the light modules, so that
+reading ``EngineConfig`` (the CLI does, for its flags) does not load the compiler stack.
+"""
+
+from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.requests import Completion, FinishReason, TokenEvent
 from kvgraph.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "Completion", "FinishReason", "SamplingParams", "TokenEvent"]
+__all__ = ["Completion", "EngineConfig", "FinishReason", "SamplingParams", "TokenEvent"]

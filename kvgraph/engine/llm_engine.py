@@ -1,4 +1,4 @@
-"""``kvgraph.LLM``: an unmodified causal LM compiled onto a paged KV cache, served by continuous batching."""
+"""The engine: an unmodified causal LM compiled onto a paged KV cache, served by continuous batching."""
 
 from __future__ import annotations
 
@@ -12,23 +12,10 @@ from pathlib import Path
 
 import torch
 
-from kvgraph.cache.managers.base import check_positive_int
-from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.compiler.step import prepare_step
+from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.detokenize import IncrementalDetokenizer
-from kvgraph.engine.loading import (
-    check_dtype,
-    check_flags,
-    check_tokenizer,
-    eos_token_ids,
-    kv_params_from_config,
-    load_model,
-    make_manager,
-    resolve_device,
-    traced_kv_params,
-    vocab_size,
-)
-from kvgraph.engine.progress import CompileProgress
+from kvgraph.engine.loading import check_tokenizer, eos_token_ids, load_model, vocab_size
 from kvgraph.engine.prompts import (
     Prompt,
     as_prompt_list,
@@ -43,46 +30,43 @@ from kvgraph.engine.requests import (
     FinishReason,
     TokenEvent,
 )
-from kvgraph.engine.runner import ModelRunner, compiled_graphs
+from kvgraph.engine.runner import compiled_graphs
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
+from kvgraph.engine.strategy import RunnerStrategy, SingleProcess, prepare_model
 from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
-
-COMPILE_MODES = ("inductor", "eager")
 
 
 def _locked(method):
-    """Run ``method`` holding the engine lock (``LLM._lock``)."""
+    """Run ``method`` holding the engine lock (``LLMEngine._lock``)."""
 
     @functools.wraps(method)
-    def wrapper(self: LLM, *args, **kwargs):
+    def wrapper(self: LLMEngine, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
 
     return wrapper
 
 
-class LLM:
+class LLMEngine:
     """Generate text with continuous batching over a paged (or continuous) KV cache.
 
     ``model`` is an ``nn.Module`` (a Hugging Face causal LM, or any module mapping
-    ``input_ids [1, T]`` and ``position_ids [1, T]`` to logits) or the path of a local
-    Hugging Face checkpoint directory (its tokenizer is loaded too when present).
-    The module is compiled once with ``kvgraph.compile`` (``compile="inductor"`` or
-    ``"eager"`` after lowering); every step then runs one ragged batch mixing decodes
-    with (chunked) prefills, at most ``max_batch_size`` sequences and
-    ``max_batch_tokens`` new tokens. ``kv_cache_memory`` (bytes) sizes the paged pool;
-    by default it holds ``max_batch_size`` sequences of ``max_seq_len`` tokens.
-    ``num_steps > 1`` runs batches of decodes that many steps back to back.
-    ``freeze_weights`` (Inductor only) compiles the weights in as constants with prepacked
-    linear layers: faster, but later edits of the module's parameters are not seen.
-    ``progress`` shows on stderr what the first call of each step shape is compiling (stage and
-    seconds so far); ``warmup()`` runs those calls ahead of serving.
-    ``tensor_parallel_size=N`` splits the model's heads and MLP over ``N`` ranks (see
-    ``kvgraph.parallel``): this process is rank 0 and spawns the others, unless a process
-    group or ``torchrun`` already set the ranks up; on a rank other than 0 the constructor runs
-    rank 0's steps until rank 0 calls ``close``. ``kv_cache_memory`` is then over all ranks.
+    ``input_ids [1, T]`` and ``position_ids [1, T]`` to logits), the name of a built-in preset, or
+    the path of a local Hugging Face checkpoint directory (its tokenizer is loaded too when present).
+    ``config`` says how it is cached, batched and compiled (:class:`EngineConfig`; default: its
+    defaults). The module is compiled once with ``kvgraph.compile`` (``compile="inductor"`` or
+    ``"eager"`` after lowering); every step then runs one ragged batch mixing decodes with
+    (chunked) prefills, at most ``max_batch_size`` sequences and ``max_batch_tokens`` new tokens.
+    ``num_steps > 1`` runs batches of decodes that many steps back to back. ``progress`` shows on
+    stderr what the first call of each step shape is compiling (stage and seconds so far);
+    ``warmup()`` runs those calls ahead of serving.
+
+    ``strategy`` runs the model (:class:`~kvgraph.engine.strategy.RunnerStrategy`; default
+    :class:`~kvgraph.engine.strategy.SingleProcess`); its ``world_size`` must be the config's
+    ``tensor_parallel_size``. The engine is this process's: with tensor parallelism it is rank 0's,
+    and ``close`` stops the other ranks.
 
     Thread-safe: ``generate``, ``stream``, ``add_request``, ``abort``, ``step`` and the rest may be
     called from any number of threads. One lock guards the engine's state and is held for a whole
@@ -90,7 +74,7 @@ class LLM:
     runs the next step itself, for the requests of every caller: all callers' requests share the
     same batches, and each step's tokens go to the call that is waiting for them.
 
-    A checkpoint directory never runs code unless ``trust_remote_code=True`` (its own modelling
+    A checkpoint directory never runs code unless ``config.trust_remote_code`` (its own modelling
     files); its weights load from safetensors, or from ``.bin`` pickles with ``weights_only=True``.
     Every argument is checked before the model is loaded or compiled.
     """
@@ -98,96 +82,43 @@ class LLM:
     def __init__(
         self,
         model: torch.nn.Module | str | Path,
+        config: EngineConfig | None = None,
         *,
-        cache_strategy: KVCacheStrategy | str = "paged",
-        page_size: int = 16,
-        max_batch_size: int = 64,
-        max_seq_len: int = 2048,
-        max_batch_tokens: int = 2048,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_steps: int = 1,
-        compile: str = "inductor",
-        freeze_weights: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         tokenizer: object | None = None,
-        progress: bool = True,
-        tensor_parallel_size: int = 1,
-        trust_remote_code: bool = False,
+        strategy: RunnerStrategy | None = None,
     ) -> None:
-        engine_args = {k: v for k, v in locals().items() if k not in ("self", "model", "tokenizer", "tensor_parallel_size")}
-        for name, value in (
-            ("page_size", page_size), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
-            ("max_batch_tokens", max_batch_tokens), ("num_steps", num_steps),
-            ("tensor_parallel_size", tensor_parallel_size),
-        ):
-            check_positive_int(name, value)
-        if kv_cache_memory is not None:
-            check_positive_int("kv_cache_memory", kv_cache_memory)
-        if compile not in COMPILE_MODES:
-            raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-        check_flags(enable_prefix_caching=enable_prefix_caching, freeze_weights=freeze_weights,
-                    trust_remote_code=trust_remote_code)
-        check_dtype(dtype)
+        config = EngineConfig() if config is None else config
+        strategy = SingleProcess() if strategy is None else strategy
+        if not isinstance(config, EngineConfig):
+            raise InvalidParamsError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if strategy.world_size != config.tensor_parallel_size:
+            raise InvalidParamsError(
+                f"tensor_parallel_size={config.tensor_parallel_size}, but the runner strategy runs the model on "
+                f"{strategy.world_size} rank(s)"
+            )
         check_tokenizer(tokenizer)
-        strategy = KVCacheStrategy.parse(cache_strategy)
-        self.device = resolve_device(device)
-        module, self.tokenizer = load_model(model, tokenizer, trust_remote_code=trust_remote_code)
-        self.tp = None
-        if tensor_parallel_size > 1:
-            from kvgraph.parallel.group import local_device
-
-            self.device = local_device(self.device, tensor_parallel_size)
-        self.model = module.to(device=self.device, dtype=dtype).eval()
-        self.params = self._kv_params(strategy, page_size, enable_prefix_caching)
-        if tensor_parallel_size > 1:
-            from kvgraph.parallel import TensorParallel
-
-            self.tp = TensorParallel.start(self.model, tensor_parallel_size, self.params, self.device, engine_args)
-            self.params = self.tp.local_params(self.params)
-            kv_cache_memory = kv_cache_memory and kv_cache_memory // tensor_parallel_size
-        self.manager = make_manager(self.params, max_batch_size, max_seq_len, kv_cache_memory)
-        self.max_seq_len = max_seq_len
+        self.config = config
+        self.strategy = strategy
+        module, self.tokenizer = load_model(model, tokenizer, trust_remote_code=config.trust_remote_code)
+        prepared = prepare_model(module, config, strategy)
+        self.model, self.device, self.params = prepared.model, prepared.device, prepared.params
+        self.manager, self.compiled, self.runner = prepared.manager, prepared.compiled, prepared.runner
+        self.max_seq_len = config.max_seq_len
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.vocab_size = vocab_size(self.model)
-        import kvgraph
-
-        shown = CompileProgress(compile) if progress else None
-        self.compiled = kvgraph.compile(
-            self.model, manager=self.manager, inner=compile, freeze_weights=freeze_weights,
-            dump=shown.dump if shown else None,
-        )
-        self.runner = (
-            ModelRunner(self.compiled, shown) if self.tp is None
-            else self.tp.runner(self.compiled, self.manager, shown)
-        )
         self.scheduler = Scheduler(
-            self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-            max_seq_len=max_seq_len, num_steps=num_steps,
+            self.manager, max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
+            max_seq_len=config.max_seq_len, num_steps=config.num_steps,
         )
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
         self._next_id = 0
         self._lock = threading.RLock()
         self._inboxes: dict[int, _Inbox] = {}  # request id -> its generate/stream call's inbox
-        if self.tp is not None and not self.tp.is_driver:
-            self.runner.serve()
-            self.close()
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine and leave its group (nothing otherwise)."""
-        if self.tp is not None:
-            self.tp.close()
-
-    def _kv_params(self, strategy: KVCacheStrategy, page_size: int, prefix_caching: bool) -> KVCacheParams:
-        """From a Hugging Face config when there is one, else from the attention sites of the graph."""
-        kwargs = dict(
-            cache_strategy=strategy, page_size=page_size, enable_prefix_caching=prefix_caching,
-            device=self.device,
-        )
-        params = kv_params_from_config(self.model, **kwargs)
-        return params if params is not None else traced_kv_params(self.model, **kwargs)
+        """Release what the runner strategy started: a tensor-parallel engine stops its other ranks."""
+        self.strategy.close()
 
     # -- requests --
     @_locked
@@ -570,7 +501,7 @@ class _StepRun:
 class _AbortOnExit:
     """Abort the given requests that are still unfinished when the block exits, however it exits."""
 
-    def __init__(self, llm: LLM, ids: list[int]) -> None:
+    def __init__(self, llm: LLMEngine, ids: list[int]) -> None:
         self.llm, self.ids = llm, ids
 
     def __enter__(self) -> None:

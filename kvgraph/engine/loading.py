@@ -9,7 +9,7 @@ import torch
 
 from kvgraph.cache.managers import load_kv_manager
 from kvgraph.cache.managers.base import KVCacheManager
-from kvgraph.cache.params import KVCacheParams, KVCacheStrategy, parse_device
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.errors import InvalidParamsError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -99,25 +99,20 @@ def check_checkpoint(path: Path, trust_remote_code: bool) -> None:
         )
 
 
-def check_flags(**flags: object) -> None:
-    """``InvalidParamsError`` naming the first flag that is not a bool."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise InvalidParamsError(f"{name} must be a bool, got {value!r}")
-
-
-def check_dtype(dtype: object) -> None:
-    """``InvalidParamsError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise InvalidParamsError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
-
-
 def check_tokenizer(tokenizer: object) -> None:
     """``InvalidParamsError`` unless ``tokenizer`` is ``None`` or has ``encode`` and ``decode``."""
     if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
         raise InvalidParamsError(
             f"tokenizer must have encode() and decode() (a Hugging Face tokenizer), got {type(tokenizer).__name__}"
         )
+
+
+def model_kv_params(model: torch.nn.Module, **cache: object) -> KVCacheParams:
+    """``KVCacheParams`` of ``model``: from its Hugging Face config when it has one
+    (:func:`kv_params_from_config`), else from the attention sites of its graph (:func:`traced_kv_params`).
+    ``cache`` is their keyword arguments: ``cache_strategy``, ``page_size``, ``enable_prefix_caching``, ``device``."""
+    params = kv_params_from_config(model, **cache)
+    return params if params is not None else traced_kv_params(model, **cache)
 
 
 def kv_params_from_config(
@@ -218,16 +213,6 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: object | None) -> tuple[int
 def vocab_size(model: torch.nn.Module) -> int | None:
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     return size if isinstance(size, int) else None
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """``device`` parsed (default: CUDA when available, else the CPU)."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = parse_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
-    return device
 
 
 def make_manager(

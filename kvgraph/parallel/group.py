@@ -1,7 +1,7 @@
-"""The tensor-parallel group of one ``LLM``: its ranks, process group, plan, channel and lifetime.
+"""The tensor-parallel group of one engine: its ranks, process group, plan, channel and lifetime.
 
-``TensorParallel.start`` is how ``kvgraph.LLM(..., tensor_parallel_size=N)`` joins or forms a
-group of ``N`` ranks, in one of three ways:
+``TensorParallel.start`` is how every rank of ``kvgraph.LLM(..., tensor_parallel_size=N)`` joins
+or forms a group of ``N`` ranks, in one of three ways:
 
 - a process group already exists (the caller initialised one, or this is a spawned worker):
   it is used as it is;
@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,13 +28,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.engine.progress import CompileProgress
-from kvgraph.engine.runner import ModelRunner
 from kvgraph.errors import BindingError, InvalidParamsError, LoweringError, RankFailedError
 from kvgraph.parallel.channel import STOP, StepChannel
 from kvgraph.parallel.plan import ShardingPlan
+from kvgraph.parallel.spawn import backend_for, describe_exit, spawn_workers
 
 TIMEOUT_ENV = "KVGRAPH_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -71,8 +68,15 @@ def local_device(device: torch.device, world_size: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def launched_rank() -> int:
+    """This process's rank in a group set up before kvgraph forms one: the default process group's,
+    else the ``RANK`` that ``torchrun`` set; 0 when there is neither (this process will be rank 0
+    and spawn the others)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return 0
 
 
 @dataclass
@@ -107,14 +111,14 @@ class TensorParallel:
         world_size: int,
         params: KVCacheParams,
         device: torch.device,
-        engine_args: dict,
+        worker_main: Callable[[], object],
     ) -> TensorParallel:
         """Check the plan, form or join the group, and shard ``model`` in place.
 
-        ``engine_args`` are the ``LLM`` keyword arguments a spawned rank rebuilds its engine
-        with (``model`` is sent as well). Raises ``InvalidParamsError`` before any process
-        starts when a size does not divide; ``RankFailedError`` when a spawned rank dies before
-        the group forms.
+        ``worker_main`` is what each rank this process spawns runs once it joined the group (see
+        :func:`~kvgraph.parallel.spawn.spawn_workers`). Raises ``InvalidParamsError`` before any
+        process starts when a size does not divide; ``RankFailedError`` when a spawned rank dies
+        before the group forms.
         """
         plan = ShardingPlan.of(model, world_size, params)
         timeout = collective_timeout()
@@ -125,9 +129,7 @@ class TensorParallel:
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 dist.init_process_group(backend_for(device), timeout=timeout)
             else:
-                from kvgraph.parallel.worker import spawn_workers
-
-                workers = spawn_workers(model, world_size, device, engine_args, timeout)
+                workers = spawn_workers(worker_main, world_size, device, timeout)
         if dist.get_world_size() != world_size:
             raise InvalidParamsError(
                 f"tensor_parallel_size={world_size}, but the process group has {dist.get_world_size()} ranks"
@@ -150,15 +152,6 @@ class TensorParallel:
     def local_params(self, params: KVCacheParams) -> KVCacheParams:
         """This rank's cache: ``n_kv_heads / world_size`` heads on this rank's device."""
         return self.plan.local_params(params, self.device)
-
-    def runner(
-        self, compiled: Callable, manager: KVCacheManager, progress: CompileProgress | None = None
-    ) -> ModelRunner:
-        """Rank 0's ``DriverRunner`` (publishes each call) or another rank's ``WorkerRunner``;
-        ``progress`` shows the compile stages."""
-        from kvgraph.parallel.runner import DriverRunner, WorkerRunner
-
-        return (DriverRunner if self.is_driver else WorkerRunner)(compiled, manager, self, progress)
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
@@ -208,12 +201,3 @@ class TensorParallel:
             if process.is_alive():
                 process.kill()
                 process.join()
-
-
-def describe_exit(code: int | None) -> str:
-    """``exited with status 1`` / ``was killed by SIGKILL`` / ``is running``."""
-    if code is None:
-        return "is running"
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"

@@ -12,7 +12,6 @@ from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.managers.paged import PagedKVCacheManager, copy_page_rows
 from kvgraph.engine.progress import CompileProgress
 from kvgraph.engine.runner import ModelRunner
-from kvgraph.errors import InvalidParamsError
 from kvgraph.parallel.channel import STOP, StepMessage
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class DriverRunner(ModelRunner):
 
 class WorkerRunner(ModelRunner):
     """The runner of a rank other than 0: :meth:`serve` repeats rank 0's calls on this rank's
-    shard and cache until rank 0 stops; calling it directly is a mistake (only rank 0 schedules)."""
+    shard and cache until rank 0 stops (only rank 0 schedules)."""
 
     def __init__(
         self, compiled: Callable, manager: KVCacheManager, tp: TensorParallel,
@@ -69,11 +68,6 @@ class WorkerRunner(ModelRunner):
         super().__init__(compiled, progress)
         self.manager = manager
         self.tp = tp
-
-    def __call__(self, *args, **kwargs) -> torch.Tensor:
-        raise InvalidParamsError(
-            f"rank {self.tp.rank} of {self.tp.world_size} runs rank 0's steps; call generate on rank 0"
-        )
 
     def serve(self) -> int:
         """Run rank 0's model calls as they come until it stops; returns how many ran."""

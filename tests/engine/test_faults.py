@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.errors import BindingError
 
 INJECTED = RuntimeError("injected fault")

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
 from kvgraph.engine.stats import kv_usage_text
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
 
 PAGE = 4

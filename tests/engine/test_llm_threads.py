@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 
 THREADS = 8
 JOIN_TIMEOUT_S = 300

@@ -1,8 +1,9 @@
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
 from kvgraph.engine.runner import ModelRunner
+from kvgraph.entrypoints.llm import LLM
 
 
 def _meta_step(tokens: int, batch: int):

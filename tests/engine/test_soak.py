@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 
 REQUESTS = int(os.environ.get("KVGRAPH_SOAK_REQUESTS", "100"))
 PAGE = 4

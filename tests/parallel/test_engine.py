@@ -32,7 +32,7 @@ def engine():
     )
     yield llm
     llm.close()
-    assert [p.exitcode for p in llm.tp.workers] in ([0], [-signal.SIGKILL])
+    assert [p.exitcode for p in llm.strategy.group.workers] in ([0], [-signal.SIGKILL])
 
 
 def _page_bytes(model) -> int:
@@ -55,7 +55,7 @@ def test_greedy_tokens_equal_one_process_with_prefix_caching_and_preemption(engi
 
 
 def test_a_killed_rank_is_named_and_does_not_hang(engine):
-    (worker,) = engine.tp.workers
+    (worker,) = engine.strategy.group.workers
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=30)
     sampling = kvgraph.SamplingParams(max_new_tokens=2, ignore_eos=True)

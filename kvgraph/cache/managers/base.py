@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
-from kvgraph.cache.params import KVCacheParams
+from kvgraph.cache.params import KVCacheParams, check_positive_int
 from kvgraph.cache.request import KVRequest
 from kvgraph.cache.symbols import (
     INDEX_DTYPE,
@@ -35,13 +35,6 @@ from kvgraph.errors import (
     StepError,
     UnknownSequenceError,
 )
-
-
-def check_positive_int(name: str, value: object) -> int:
-    """``value`` if it is a positive int, else ``InvalidParamsError`` naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidParamsError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def check_memory(available_cache_memory: object) -> int:

@@ -8,15 +8,14 @@ from collections.abc import Sequence
 import torch
 
 from kvgraph.cache.managers.base import (
-    INDEX_DTYPE,
     KVCacheManager,
     SequenceState,
     check_layers_and_devices,
     check_memory,
-    check_positive_int,
 )
-from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy, check_positive_int
 from kvgraph.cache.request import KVRequest
+from kvgraph.cache.symbols import INDEX_DTYPE
 from kvgraph.errors import InvalidParamsError
 
 

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvgraph.cache.managers.base import KVCacheManager, check_positive_int
+from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.managers.continuous import ContinuousBatchingKVCacheManager
 from kvgraph.cache.managers.paged import PagedKVCacheManager
-from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.params import KVCacheParams, KVCacheStrategy, check_positive_int
 from kvgraph.errors import InvalidParamsError
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
 
 import torch
 
+from kvgraph.engine.config import COMPILE_MODES, EngineConfig
 from kvgraph.errors import InvalidParamsError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,6 +61,11 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def _default(field: str) -> object:
+    """The default of ``EngineConfig.<field>``: a flag left out means what ``kvgraph.LLM`` does."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == field)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     from kvgraph.presets import DEFAULT_PRESET, preset_names
 
@@ -73,37 +81,62 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags mapping one to one onto ``kvgraph.LLM``'s keyword arguments."""
+    """Flags for the ``EngineConfig`` fields (with its defaults), and ``--threads``."""
     add_cache_args(parser)
     g = parser.add_argument_group("engine")
-    g.add_argument("--max-batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
-    g.add_argument("--max-seq-len", type=positive_int, default=2048, help="longest context (default 2048)")
-    g.add_argument(
-        "--max-batch-tokens", type=positive_int, default=2048, help="new tokens per step (default 2048)"
-    )
-    g.add_argument("--kv-cache-memory", type=positive_int, help="bytes of the paged pool (default: room for "
-                   "max-batch-size sequences of max-seq-len tokens)")
+    g.add_argument("--max-batch-size", type=positive_int, default=_default("max_batch_size"),
+                   help="sequences per step (default %(default)s)")
+    g.add_argument("--max-seq-len", type=positive_int, default=_default("max_seq_len"),
+                   help="longest context (default %(default)s)")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=_default("max_batch_tokens"),
+                   help="new tokens per step (default %(default)s)")
+    g.add_argument("--kv-cache-memory", type=positive_int, default=_default("kv_cache_memory"),
+                   help="bytes of the paged pool (default: room for max-batch-size sequences of max-seq-len tokens)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--num-steps", type=positive_int, default=1, help="decode steps per schedule (default 1)")
-    g.add_argument("--compile", choices=("inductor", "eager"), default="inductor",
-                   help="what runs the lowered graph (default inductor)")
+    g.add_argument("--num-steps", type=positive_int, default=_default("num_steps"),
+                   help="decode steps per schedule (default %(default)s)")
+    g.add_argument("--compile", choices=COMPILE_MODES, default=_default("compile"),
+                   help="what runs the lowered graph (default %(default)s)")
     g.add_argument("--no-freeze-weights", action="store_true",
                    help="keep the weights as graph inputs instead of compiling them in as prepacked "
                    "constants (Inductor's freezing)")
-    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
                    "core). Fewer leave cores to other work on the host, e.g. the HTTP server's event "
                    "loop or a load generator next to `kvgraph serve`")
-    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
-                   help="split the model's heads and MLP over this many ranks (default 1): spawned on "
-                   "this host, or the ranks torchrun started")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
+                   help="split the model's heads and MLP over this many ranks (default %(default)s): "
+                   "spawned on this host, or the ranks torchrun started")
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cache")
-    g.add_argument("--cache", choices=("paged", "continuous"), default="paged", help="KV cache strategy")
-    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (default 16)")
+    g.add_argument("--cache", choices=("paged", "continuous"), default=_default("cache_strategy"),
+                   help="KV cache strategy")
+    g.add_argument("--page-size", type=positive_int, default=_default("page_size"),
+                   help="tokens per page (default %(default)s)")
+
+
+FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
+    "cache_strategy": lambda args: args.cache,
+    "enable_prefix_caching": lambda args: not args.no_prefix_caching,
+    "freeze_weights": lambda args: not args.no_freeze_weights,
+    "dtype": lambda args: DTYPES.get(args.dtype),
+}
+"""How the ``EngineConfig`` fields whose flag has another name or meaning are read from the parsed
+flags; every other field is the flag of its own name (``--page-size`` is ``page_size``)."""
+NOT_FLAGS = ("progress",)
+"""``EngineConfig`` fields no engine flag sets: ``progress`` comes from each command (``--no-progress``)."""
+
+
+def engine_config(args: argparse.Namespace, *, progress: bool) -> EngineConfig:
+    """The ``EngineConfig`` of the flags in ``args`` (from :func:`add_model_args` and :func:`add_engine_args`)."""
+    values = {
+        f.name: FLAG_READERS[f.name](args) if f.name in FLAG_READERS else getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig) if f.name not in NOT_FLAGS
+    }
+    return EngineConfig(**values, progress=progress)
 
 
 def load_model_arg(args: argparse.Namespace) -> tuple[torch.nn.Module, object | None]:
@@ -118,7 +151,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
     """``kvgraph.LLM`` for the model and engine flags in ``args``; ``progress``: show the compile
     stages on stderr. ``None`` on a rank other than 0 of a ``torchrun`` group, once rank 0 has
     finished (that rank has nothing left to do)."""
-    from kvgraph.engine import LLM
+    from kvgraph.entrypoints.llm import LLM
 
     if not progress:
         from transformers.utils import logging as hf_logging
@@ -132,32 +165,14 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
             )
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model_arg(args)
-    llm = LLM(
-        model,
-        tokenizer=tokenizer,
-        cache_strategy=args.cache,
-        page_size=args.page_size,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        max_batch_tokens=args.max_batch_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_steps=args.num_steps,
-        compile=args.compile,
-        freeze_weights=not args.no_freeze_weights,
-        device=args.device,
-        dtype=DTYPES.get(args.dtype),
-        progress=progress,
-        tensor_parallel_size=args.tensor_parallel_size,
-        trust_remote_code=args.trust_remote_code,
-    )
-    return llm if llm.tp is None or llm.tp.is_driver else None
+    llm = LLM(model, tokenizer=tokenizer, config=engine_config(args, progress=progress))
+    return llm if llm.rank == 0 else None
 
 
 def unsharded_model(args: argparse.Namespace, llm) -> torch.nn.Module:
     """The engine's model as one process runs it: ``llm.model``, or a fresh copy when tensor
     parallelism split ``llm.model`` (its layers then take part in collectives)."""
-    if llm.tp is None:
+    if llm.config.tensor_parallel_size == 1:
         return llm.model
     module, _ = load_model_arg(args)
     return module.to(device=llm.device, dtype=DTYPES.get(args.dtype)).eval()

@@ -62,7 +62,7 @@ def capture(args: argparse.Namespace) -> Captured:
     from kvgraph.cache.request import KVRequest
     from kvgraph.compiler import backend
     from kvgraph.compiler.step import run_step
-    from kvgraph.engine.loading import kv_params_from_config, traced_kv_params
+    from kvgraph.engine.loading import model_kv_params
 
     model, _ = load_model_arg(args)
     model = model.eval()
@@ -70,7 +70,7 @@ def capture(args: argparse.Namespace) -> Captured:
         model = model.to(DTYPES[args.dtype])
     device = next(model.parameters()).device
     kw = dict(cache_strategy=args.cache, page_size=args.page_size, enable_prefix_caching=False, device=device)
-    params = kv_params_from_config(model, **kw) or traced_kv_params(model, **kw)
+    params = model_kv_params(model, **kw)
     if args.tensor_parallel_size > 1:
         from kvgraph.parallel.single_rank import shard_as_rank_zero
 

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvgraph.engine import LLM
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve import errors, handlers
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.metrics import ServeMetrics

@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvgraph.engine import LLM, SamplingParams, TokenEvent
+from kvgraph.engine import SamplingParams, TokenEvent
 from kvgraph.engine.prompts import Prompt
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
 
 log = logging.getLogger("kvgraph.serve")

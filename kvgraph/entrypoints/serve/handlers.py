@@ -12,8 +12,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
 from kvgraph.engine.prompts import Prompt
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine, EngineFailure
 from kvgraph.entrypoints.serve.chat import chat_prompt
 from kvgraph.entrypoints.serve.errors import engine_failure, model_not_found

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from kvgraph.engine import LLM
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.app import build_app
 
 log = logging.getLogger("kvgraph.serve")

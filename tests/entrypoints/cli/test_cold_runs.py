@@ -3,8 +3,8 @@ prefix is never served by what an earlier run cached, and one that would be is r
 
 import pytest
 
-from kvgraph.engine import LLM
 from kvgraph.entrypoints.cli.bench import run_kvgraph
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.errors import WarmCacheError
 from kvgraph.workloads import make_workload
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine, EngineFailure
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
 from kvgraph.presets import load_preset

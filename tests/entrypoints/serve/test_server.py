@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from kvgraph.engine import LLM, SamplingParams
+from kvgraph.engine import SamplingParams
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.chat import DEFAULT_CHAT_TEMPLATE
 from kvgraph.presets import load_preset
 

@@ -1,25 +1,25 @@
-"""Spawning ranks ``1 .. N-1`` for rank 0, and what each of them runs.
+"""Spawning ranks ``1 .. N-1`` for rank 0, and their way into the group.
 
 Rank 0 hosts a ``TCPStore`` on the loopback interface, spawns one process per other rank and
 waits until each reports that it reached the rendezvous (a rank that dies on the way is named
 at once instead of after the timeout); then all of them initialise the default process group
-over that store. A spawned rank builds the same ``LLM`` as rank 0 (the model travels in the
-spawn arguments, the other ``LLM`` arguments with it), which shards its copy of the model,
-then serves rank 0's steps until rank 0 stops it, and exits.
+over that store. A spawned rank then runs the function rank 0 gave it (the model travels in it),
+and exits.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 from kvgraph.errors import KVCacheError, RankFailedError
 
@@ -27,20 +27,33 @@ LOOPBACK = "127.0.0.1"
 STORE_PREFIX = "kvgraph/pg/"
 
 
-def spawn_workers(
-    model: nn.Module, world_size: int, device: torch.device, engine_args: dict, timeout: timedelta
-) -> list[mp.Process]:
-    """Spawn ranks ``1 .. world_size - 1`` and initialise the default process group as rank 0."""
-    from kvgraph.parallel.group import backend_for, describe_exit
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
 
+
+def describe_exit(code: int | None) -> str:
+    """``exited with status 1`` / ``was killed by SIGKILL`` / ``is running``."""
+    if code is None:
+        return "is running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def spawn_workers(
+    main: Callable[[], object], world_size: int, device: torch.device, timeout: timedelta
+) -> list[mp.Process]:
+    """Spawn ranks ``1 .. world_size - 1``, each running ``main()`` once it joined the group (``main``
+    is pickled: a top-level function or a ``functools.partial`` of one), and initialise the default
+    process group as rank 0."""
     store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     workers = []
     for rank in range(1, world_size):
         process = ctx.Process(
-            target=worker_main, name=f"kvgraph-rank-{rank}",
-            args=(rank, world_size, store.port, model, engine_args, timeout.total_seconds(), ready),
+            target=rank_main, name=f"kvgraph-rank-{rank}",
+            args=(rank, world_size, store.port, device, timeout.total_seconds(), ready, main),
         )
         process.start()
         workers.append(process)
@@ -65,22 +78,18 @@ def spawn_workers(
     return workers
 
 
-def worker_main(
-    rank: int, world_size: int, port: int, model: nn.Module, engine_args: dict, timeout_s: float,
-    ready,
+def rank_main(
+    rank: int, world_size: int, port: int, device: torch.device, timeout_s: float, ready,
+    main: Callable[[], object],
 ) -> None:
-    """A spawned rank: join the group, build the engine (which serves rank 0 until it stops), exit.
+    """A spawned rank: join the group, run ``main()``, leave the group, exit.
 
-    Exits with status 1 and one line on stderr naming this rank when the group fails.
+    Exits with status 1 and one line on stderr naming this rank when the group or ``main`` fails
+    with a kvgraph error.
     """
-    from kvgraph.engine.llm_engine import LLM
-    from kvgraph.engine.loading import resolve_device
-    from kvgraph.parallel.group import backend_for
-
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     timeout = timedelta(seconds=timeout_s)
-    device = resolve_device(engine_args.get("device"))
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
     ready.put(rank)
     dist.init_process_group(
@@ -88,7 +97,7 @@ def worker_main(
         world_size=world_size, timeout=timeout,
     )
     try:
-        LLM(model, **{**engine_args, "progress": False}, tensor_parallel_size=world_size)
+        main()
     except (RankFailedError, KVCacheError) as e:
         sys.stderr.write(f"kvgraph rank {rank}: {e}\n")
         sys.exit(1)

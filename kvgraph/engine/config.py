@@ -1,0 +1,104 @@
+"""The engine's configuration: everything ``kvgraph.LLM`` takes besides the model and its tokenizer.
+
+One frozen object, checked once when it is made: the engine, the CLI's engine flags and the ranks
+of a tensor-parallel engine all read the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgraph.cache.params import KVCacheStrategy, check_positive_int, parse_device
+from kvgraph.errors import InvalidParamsError
+
+COMPILE_MODES = ("inductor", "eager")
+"""What runs the lowered graph: Inductor, or the lowered FX graph as it is."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine caches, batches, compiles and places its model; every field checked at construction.
+
+    Attributes:
+        cache_strategy: ``"paged"`` or ``"continuous"`` (a ``KVCacheStrategy`` once made).
+        page_size: tokens per page of a paged cache.
+        max_batch_size: sequences per step.
+        max_seq_len: the longest context, prompt and generated tokens together.
+        max_batch_tokens: new tokens per step (prefills are chunked to fit).
+        kv_cache_memory: bytes of the paged pool over all ranks; ``None``: room for
+            ``max_batch_size`` sequences of ``max_seq_len`` tokens.
+        enable_prefix_caching: share the pages of a common prompt prefix (paged cache only).
+        num_steps: decode steps run back to back for a batch of decodes.
+        compile: one of ``COMPILE_MODES``.
+        freeze_weights: compile the weights in as constants with prepacked linear layers (Inductor
+            only): faster, but later edits of the module's parameters are not seen.
+        device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
+            else the CPU.
+        dtype: cast the model to this floating dtype; ``None``: as loaded.
+        progress: show on stderr what the first call of each step shape is compiling.
+        tensor_parallel_size: ranks the model's heads and MLP are split over.
+        trust_remote_code: let a checkpoint directory run its own modelling code.
+
+    Raises ``InvalidParamsError`` naming the first field out of range, in the order above with
+    the sizes first.
+    """
+
+    cache_strategy: KVCacheStrategy | str = "paged"
+    page_size: int = 16
+    max_batch_size: int = 64
+    max_seq_len: int = 2048
+    max_batch_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    num_steps: int = 1
+    compile: str = "inductor"
+    freeze_weights: bool = True
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+    progress: bool = True
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
+                     "tensor_parallel_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.kv_cache_memory is not None:
+            check_positive_int("kv_cache_memory", self.kv_cache_memory)
+        if self.compile not in COMPILE_MODES:
+            raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
+                    trust_remote_code=self.trust_remote_code)
+        check_dtype(self.dtype)
+        object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+    @property
+    def kv_cache_memory_per_rank(self) -> int | None:
+        """Each rank's share of ``kv_cache_memory`` (``None`` when that is)."""
+        return None if self.kv_cache_memory is None else self.kv_cache_memory // self.tensor_parallel_size
+
+
+def check_flags(**flags: object) -> None:
+    """``InvalidParamsError`` naming the first flag that is not a bool."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidParamsError(f"{name} must be a bool, got {value!r}")
+
+
+def check_dtype(dtype: object) -> None:
+    """``InvalidParamsError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidParamsError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` parsed (default: CUDA when available, else the CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = parse_device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
+    return device
