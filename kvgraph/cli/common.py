@@ -95,6 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
                    "core). Fewer leave cores to other work on the host, e.g. the HTTP server's event "
                    "loop or a load generator next to `kvgraph serve`")
+    g.add_argument("--fixed-threads", action="store_true",
+                   help="keep the thread count fixed; by default it follows, between steps, the cores "
+                   "other processes leave free (from 1 up to --threads)")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="split the model's heads and MLP over this many ranks (default 1): spawned on "
                    "this host, or the ranks torchrun started")
@@ -150,6 +153,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         progress=progress,
         tensor_parallel_size=args.tensor_parallel_size,
         trust_remote_code=args.trust_remote_code,
+        adaptive_threads=not args.fixed_threads,
     )
     return llm if llm.tp is None or llm.tp.is_driver else None
 

@@ -44,6 +44,7 @@ from kvgraph.engine.runner import ModelRunner, compiled_graphs
 from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
+from kvgraph.engine.threads import ThreadGovernor
 from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
 from kvgraph.managers.base import check_positive_int
 from kvgraph.params import KVCacheParams, KVCacheStrategy
@@ -83,6 +84,9 @@ class LLM:
     ``kvgraph.distributed``): this process is rank 0 and spawns the others, unless a process
     group or ``torchrun`` already set the ranks up; on a rank other than 0 the constructor runs
     rank 0's steps until rank 0 calls ``close``. ``kv_cache_memory`` is then over all ranks.
+    ``adaptive_threads`` (CPU, one rank): between steps, the intra-op thread count follows the cores
+    other processes leave free, from 1 up to ``torch.get_num_threads()`` at construction
+    (``kvgraph.engine.threads``); ``False`` keeps that count fixed.
 
     Thread-safe: ``generate``, ``stream``, ``add_request``, ``abort``, ``step`` and the rest may be
     called from any number of threads. One lock guards the engine's state and is held for a whole
@@ -115,6 +119,7 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
+        adaptive_threads: bool = True,
     ) -> None:
         engine_args = {k: v for k, v in locals().items() if k not in ("self", "model", "tokenizer", "tensor_parallel_size")}
         for name, value in (
@@ -128,7 +133,7 @@ class LLM:
         if compile not in COMPILE_MODES:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
         check_flags(enable_prefix_caching=enable_prefix_caching, freeze_weights=freeze_weights,
-                    trust_remote_code=trust_remote_code)
+                    trust_remote_code=trust_remote_code, adaptive_threads=adaptive_threads)
         check_dtype(dtype)
         check_tokenizer(tokenizer)
         strategy = KVCacheStrategy.parse(cache_strategy)
@@ -165,6 +170,10 @@ class LLM:
         self.scheduler = Scheduler(
             self.manager, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
             max_seq_len=max_seq_len, num_steps=num_steps,
+        )
+        self.threads = (
+            ThreadGovernor(torch.get_num_threads())
+            if adaptive_threads and self.device.type == "cpu" and self.tp is None else None
         )
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
@@ -344,6 +353,8 @@ class LLM:
             self._no_progress(out)
             return []
         compile_s = self.runner.compile_s
+        if self.threads is not None:
+            self.threads.update()
         try:
             run = self._run(out)
         except BaseException as exc:
@@ -486,8 +497,9 @@ class LLM:
         """Throughput (prefill and decode tokens/s, steps that compiled left out: their time is
         ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
         continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
-        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; and the
-        requests running and waiting now."""
+        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; the
+        requests running and waiting now; and the intra-op threads now, with how often the thread
+        governor changed them and the cores other processes took at its last look."""
         self._record_pages()
         self._stats.compiled_graphs = compiled_graphs(self.compiled)
         self._stats.warmup_graphs = self.runner.warmup_graphs
@@ -496,6 +508,9 @@ class LLM:
             **self._stats.as_dict(),
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
+            "threads": torch.get_num_threads(),
+            "thread_changes": self.threads.changes if self.threads is not None else 0,
+            "others_cores": self.threads.others if self.threads is not None else None,
         }
 
     @_locked

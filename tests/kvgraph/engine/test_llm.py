@@ -140,6 +140,16 @@ def test_stats_report_the_documented_figures(llm):
     assert stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == POOL_PAGES
     assert stats["kv_pages_peak"] == 4 and 0 <= stats["kv_waste"] < 1
     assert stats["compiled_graphs"] >= 1 and stats["preemptions"] == 0
+    assert stats["threads"] == torch.get_num_threads() and stats["thread_changes"] >= 0
+
+
+def test_the_thread_governor_runs_on_the_cpu_unless_threads_are_fixed(llama):
+    model, _ = llama
+    assert LLM(model, compile="eager", progress=False).threads is not None
+    fixed = LLM(model, compile="eager", progress=False, adaptive_threads=False)
+    assert fixed.threads is None and fixed.stats()["others_cores"] is None
+    with pytest.raises(InvalidParamsError, match="adaptive_threads must be a bool, got 'yes'"):
+        LLM(model, adaptive_threads="yes")
 
 
 def test_bad_constructor_arguments_raise_before_compiling(llama):
