@@ -478,6 +478,16 @@ class LLM:
             f"({capacity_text(self.manager)})"
         )
 
+    def startup_note(self) -> str:
+        """How the compiled graphs came to be, for a ready line: reused from Inductor's on-disk cache
+        (an earlier process compiled them with the same model and settings), compiled afresh, or both."""
+        hits, misses = self.runner.cache_hits, self.runner.cache_misses
+        if hits + misses == 0:
+            return f"{self.runner.warmup_graphs} graphs, none through Inductor"
+        reuse = "reused from Inductor's on-disk cache" if not misses else (
+            "compiled afresh" if not hits else f"{hits} reused from Inductor's on-disk cache, {misses} compiled afresh")
+        return f"{hits + misses} graphs {reuse}"
+
     def warmup(self) -> float:
         """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
         specialises (several tokens per step; one token per step, ``T == 1``), then reset
@@ -498,7 +508,8 @@ class LLM:
         ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
         continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
         ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; the
-        requests running and waiting now; and the intra-op threads now, with how often the thread
+        requests running and waiting now; the compiles Inductor's on-disk cache served
+        (``inductor_cache_hits``) or not (``inductor_cache_misses``); and the intra-op threads now, with how often the thread
         governor changed them and the cores other processes took at its last look."""
         self._record_pages()
         self._stats.compiled_graphs = compiled_graphs(self.compiled)
@@ -508,6 +519,8 @@ class LLM:
             **self._stats.as_dict(),
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
+            "inductor_cache_hits": self.runner.cache_hits,
+            "inductor_cache_misses": self.runner.cache_misses,
             "threads": torch.get_num_threads(),
             "thread_changes": self.threads.changes if self.threads is not None else 0,
             "others_cores": self.threads.others if self.threads is not None else None,
