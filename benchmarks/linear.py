@@ -1,10 +1,12 @@
-"""The vocabulary projection on the CPU: ``F.linear`` (MKL) vs ``kvgraph::linear`` (oneDNN, packed weight).
+"""Linear layers on the CPU: ``F.linear`` (MKL) vs ``kvgraph::linear`` (oneDNN, packed weight).
 
-    python benchmarks/linear.py [--vocab 32000] [--hidden 512] [--repeats 20]
+    python benchmarks/linear.py [--vocab 32000] [--hidden 512] [--repeats 20] [--model llama-56m]
 
 Rows are what a step projects: one per sequence (decode batches of 1..64) or, for
 comparison, a prefill-sized 512. Median milliseconds of each, their ratio, and the largest
-difference between the two outputs, as JSON.
+difference between the two outputs, as JSON. With ``--model``, also every linear layer of that
+preset in module order, as a decode step runs them (each weight read from memory once a step, not
+from a warm cache): milliseconds a step and GFLOP/s at 1, 8, 32 and 64 rows, each way.
 """
 
 from __future__ import annotations
@@ -31,11 +33,38 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def model_layers(name: str, repeats: int) -> list[dict]:
+    """Every linear layer of preset ``name`` in module order, ``repeats`` steps at each row count,
+    with ``F.linear`` and with oneDNN-packed weights; the better of two alternating runs each."""
+    from kvgraph.entrypoints.cli.floor import linear_layers
+    from kvgraph.presets import load_preset
+
+    model, _ = load_preset(name)
+    weights = [layer.weight.detach() for layer in linear_layers(model)]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    with torch.inference_mode():
+        for rows in (1, 8, 32, 64):
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in weights}
+            plain = [lambda w=w, x=xs[w.shape[1]]: F.linear(x, w) for w in weights]
+            ours = [lambda w=w, x=xs[w.shape[1]]: packed.linear(x, w) for w in weights]
+            step = {"f_linear": [], "onednn_packed": []}
+            for _ in range(2):
+                for key, calls in (("f_linear", plain), ("onednn_packed", ours)):
+                    step[key].append(median_ms(lambda calls=calls: [c() for c in calls], repeats))
+            flop = 2 * rows * sum(w.numel() for w in weights)
+            ms = {k: min(v) for k, v in step.items()}
+            out.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+                        **{f"{k}_gflops": round(flop / v / 1e6, 1) for k, v in ms.items()}})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model", help="also time every linear layer of this preset, as a decode step runs them")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.vocab, args.hidden, generator=g)
@@ -54,6 +83,7 @@ def main() -> None:
     print(json.dumps({
         "vocab": args.vocab, "hidden": args.hidden, "threads": torch.get_num_threads(),
         "onednn": onednn, "max_packed_rows": packed.MAX_PACKED_ROWS, "results": results,
+        **({"model": args.model, "model_layers": model_layers(args.model, args.repeats)} if args.model else {}),
     }, indent=2))
 
 

@@ -190,7 +190,7 @@ class GraphRunner:
             if node.name in names and not hasattr(node, "_dynamo_source"):
                 node._dynamo_source = None  # not a Dynamo input: the runner passes it
         try:
-            with _freezing(self.options):
+            with _inductor_config(self.options):
                 fn = _compile_inner(self.options.inner, gm, example_inputs)
         except exceptions_allowed_to_be_fallback as e:
             # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
@@ -302,13 +302,15 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:
     return None
 
 
-def _freezing(options: BackendOptions) -> contextlib.AbstractContextManager:
-    """Inductor's ``freezing`` on for this compile when ``options.freeze_weights`` and the inner is Inductor."""
-    if options.freeze_weights and options.inner == "inductor":
-        import torch._inductor.config as inductor_config
+def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManager:
+    """Inductor's settings for this compile, when the inner is Inductor: ``freezing`` when
+    ``options.freeze_weights``, and ``cpp.dynamic_threads`` always, so that its CPU kernels take the
+    thread count at run time (``kvgraph.engine.threads``) rather than the one at compile time."""
+    if options.inner != "inductor":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
 
-        return inductor_config.patch(freezing=True)
-    return contextlib.nullcontext()
+    return inductor_config.patch({"freezing": options.freeze_weights, "cpp.dynamic_threads": True})
 
 
 def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:

@@ -40,6 +40,9 @@ class EngineConfig:
         progress: show on stderr what the first call of each step shape is compiling.
         tensor_parallel_size: ranks the model's heads and MLP are split over.
         trust_remote_code: let a checkpoint directory run its own modelling code.
+        adaptive_threads: on the CPU with one rank, set the intra-op thread count between steps to
+            the cores other processes leave free, from 1 up to ``torch.get_num_threads()`` when the
+            engine is made (``kvgraph.engine.threads``); ``False`` keeps that count fixed.
 
     Raises ``InvalidParamsError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -60,6 +63,7 @@ class EngineConfig:
     progress: bool = True
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
@@ -70,7 +74,7 @@ class EngineConfig:
         if self.compile not in COMPILE_MODES:
             raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
-                    trust_remote_code=self.trust_remote_code)
+                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads)
         check_dtype(self.dtype)
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         object.__setattr__(self, "device", resolve_device(self.device))

@@ -35,6 +35,7 @@ from kvgraph.engine.sampling import SamplingParams, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
 from kvgraph.engine.strategy import RunnerStrategy, SingleProcess, prepare_model
+from kvgraph.engine.threads import ThreadGovernor
 from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
 
 
@@ -109,6 +110,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.manager, max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
             max_seq_len=config.max_seq_len, num_steps=config.num_steps,
+        )
+        self.threads = (
+            ThreadGovernor(torch.get_num_threads())
+            if config.adaptive_threads and self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
         )
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
@@ -275,6 +280,8 @@ class LLMEngine:
             self._no_progress(out)
             return []
         compile_s = self.runner.compile_s
+        if self.threads is not None:
+            self.threads.update()
         try:
             run = self._run(out)
         except BaseException as exc:
@@ -398,6 +405,16 @@ class LLMEngine:
             f"({capacity_text(self.manager)})"
         )
 
+    def startup_note(self) -> str:
+        """How the compiled graphs came to be, for a ready line: reused from Inductor's on-disk cache
+        (an earlier process compiled them with the same model and settings), compiled afresh, or both."""
+        hits, misses = self.runner.cache_hits, self.runner.cache_misses
+        if hits + misses == 0:
+            return f"{self.runner.warmup_graphs} graphs, none through Inductor"
+        reuse = "reused from Inductor's on-disk cache" if not misses else (
+            "compiled afresh" if not hits else f"{hits} reused from Inductor's on-disk cache, {misses} compiled afresh")
+        return f"{hits + misses} graphs {reuse}"
+
     def warmup(self) -> float:
         """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
         specialises (several tokens per step; one token per step, ``T == 1``), then reset
@@ -417,8 +434,10 @@ class LLMEngine:
         """Throughput (prefill and decode tokens/s, steps that compiled left out: their time is
         ``compile_time_s``), steps, batch-size histogram, KV pages used/free/peak (slots for the
         continuous cache), KV waste, prefix hit rate, preemptions, and compiled graphs:
-        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; and the
-        requests running and waiting now."""
+        ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; the
+        requests running and waiting now; the compiles Inductor's on-disk cache served
+        (``inductor_cache_hits``) or not (``inductor_cache_misses``); and the intra-op threads now, with how often the thread
+        governor changed them and the cores other processes took at its last look."""
         self._record_pages()
         self._stats.compiled_graphs = compiled_graphs(self.compiled)
         self._stats.warmup_graphs = self.runner.warmup_graphs
@@ -427,6 +446,11 @@ class LLMEngine:
             **self._stats.as_dict(),
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
+            "inductor_cache_hits": self.runner.cache_hits,
+            "inductor_cache_misses": self.runner.cache_misses,
+            "threads": torch.get_num_threads(),
+            "thread_changes": self.threads.changes if self.threads is not None else 0,
+            "others_cores": self.threads.others if self.threads is not None else None,
         }
 
     @_locked

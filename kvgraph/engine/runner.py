@@ -30,6 +30,8 @@ class ModelRunner:
         compile_s: wall time of the calls that compiled a graph (their run included).
         warmup_graphs: graphs compiled by the first call of each shape class: the expected ones.
         recompiles: graphs compiled by any later call (a guard failed; none are expected).
+        cache_hits, cache_misses: compiles that Inductor's on-disk graph cache served (an earlier
+            process compiled the same graph with the same settings) or did not.
     """
 
     def __init__(self, compiled: Callable, progress: CompileProgress | None = None) -> None:
@@ -38,6 +40,8 @@ class ModelRunner:
         self.compile_s = 0.0
         self.warmup_graphs = 0
         self.recompiles = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
         self._shapes: list[tuple[int, int]] | None = None
         self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
 
@@ -84,6 +88,7 @@ class ModelRunner:
         if first and self.progress is not None:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
+        hits, misses = _inductor_cache_counts()
 
         def call():
             with bind(kv_inputs, input_row_offsets):
@@ -101,6 +106,9 @@ class ModelRunner:
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start
+            now_hits, now_misses = _inductor_cache_counts()
+            self.cache_hits += now_hits - hits
+            self.cache_misses += now_misses - misses
             if first:
                 self.warmup_graphs += new
             else:
@@ -146,6 +154,13 @@ def _logits(out: object) -> torch.Tensor:
     raise InvalidParamsError(
         f"model output {type(out).__name__} carries no logits tensor; LLM needs a module returning logits"
     )
+
+
+def _inductor_cache_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache hits and misses in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 def compiled_graphs(compiled: object) -> int:

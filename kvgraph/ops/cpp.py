@@ -3,7 +3,8 @@
 The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
 compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself runs on this CPU
 (``torch.backends.cpu.get_cpu_capability()``), and cached in PyTorch's extension directory
-(``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second.
+(``TORCH_EXTENSIONS_DIR``) under a name keyed by the source, flags and torch install
+(:func:`extension_name`), so later processes load it in well under a second.
 
 ``KVGRAPH_CPU_ATTENTION`` chooses the CPU implementation:
 
@@ -15,6 +16,7 @@ compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -79,7 +81,7 @@ def build() -> None:
     flags = ["-O3", "-fopenmp", "-std=c++17", *CAPABILITY_FLAGS.get(level, [])]
     try:
         cpp_extension.load(
-            name=f"kvgraph_cpu_attention_{level.lower()}",
+            name=extension_name(level, flags),
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
@@ -88,6 +90,21 @@ def build() -> None:
         )
     except Exception as e:  # the compiler's or loader's message, whatever its type
         raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
+
+
+def extension_name(level: str, flags: list[str]) -> str:
+    """``kvgraph_cpu_attention_<level>_<key>``: the build's name in PyTorch's extension directory,
+    keyed by what the library depends on (the source, the flags, and the torch it links against).
+
+    The directory is shared by every checkout and environment of the user; under one name, two
+    checkouts or two torch installs would rewrite each other's build and recompile it at every
+    start. Keyed, each distinct build is compiled once and every later process only loads it."""
+    key = hashlib.blake2b(digest_size=6)
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+                 os.path.dirname(torch.__file__).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return f"kvgraph_cpu_attention_{level.lower()}_{key.hexdigest()}"
 
 
 def _put_pip_ninja_on_path() -> bool:

@@ -141,6 +141,29 @@ def test_stats_report_the_documented_figures(llm):
     assert stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == POOL_PAGES
     assert stats["kv_pages_peak"] == 4 and 0 <= stats["kv_waste"] < 1
     assert stats["compiled_graphs"] >= 1 and stats["preemptions"] == 0
+    assert stats["threads"] == torch.get_num_threads() and stats["thread_changes"] >= 0
+
+
+def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
+    runner = llm.runner
+    for hits, misses, note in [
+        (0, 0, f"{runner.warmup_graphs} graphs, none through Inductor"),
+        (2, 0, "2 graphs reused from Inductor's on-disk cache"),
+        (0, 2, "2 graphs compiled afresh"),
+        (1, 1, "2 graphs 1 reused from Inductor's on-disk cache, 1 compiled afresh"),
+    ]:
+        runner.cache_hits, runner.cache_misses = hits, misses
+        assert llm.startup_note() == note
+    runner.cache_hits = runner.cache_misses = 0
+
+
+def test_the_thread_governor_runs_on_the_cpu_unless_threads_are_fixed(llama):
+    model, _ = llama
+    assert LLM(model, compile="eager", progress=False).threads is not None
+    fixed = LLM(model, compile="eager", progress=False, adaptive_threads=False)
+    assert fixed.threads is None and fixed.stats()["others_cores"] is None
+    with pytest.raises(InvalidParamsError, match="adaptive_threads must be a bool, got 'yes'"):
+        LLM(model, adaptive_threads="yes")
 
 
 def test_bad_constructor_arguments_raise_before_compiling(llama):

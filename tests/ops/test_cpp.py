@@ -76,3 +76,15 @@ def test_the_op_serves_cpu_tensors_with_the_chosen_path(choice):
     env = {**__import__("os").environ, cpp.ENV: choice}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == choice
+
+
+def test_the_build_name_is_keyed_by_source_flags_and_torch(monkeypatch, tmp_path):
+    flags = ["-O3", "-mavx2"]
+    name = cpp.extension_name("AVX2", flags)
+    assert name.startswith("kvgraph_cpu_attention_avx2_") and name.isidentifier()
+    assert cpp.extension_name("AVX2", list(flags)) == name  # the same build: loaded, not rebuilt
+    assert cpp.extension_name("AVX2", ["-O2", "-mavx2"]) != name
+    edited = tmp_path / "ragged_attention_cpu.cpp"
+    edited.write_bytes(cpp.SOURCE.read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpp, "SOURCE", edited)
+    assert cpp.extension_name("AVX2", flags) != name  # another checkout's source: its own build

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         f"{new_tokens / elapsed:.1f} tok/s (prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "
         f"decode {stats['decode_tokens_per_s']:.1f} tok/s), {stats['steps']} steps, "
         f"{kv_usage_text(stats)}, prefix hit rate {stats['prefix_hit_rate']:.0%} "
-        f"(compile and warm-up: {warmup:.1f}s, not counted: {stats['warmup_graphs']} graphs; "
+        f"(compile and warm-up: {warmup:.1f}s, not counted: {llm.startup_note()}; "
         f"{stats['recompiles']} recompiles after it)"
     )
     if args.json:

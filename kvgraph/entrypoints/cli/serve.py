@@ -52,5 +52,6 @@ def run(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     log.info("compiling and warming up %s", args.model)
     llm.warmup()
-    log.info("compiled and warm in %.1fs", time.perf_counter() - start)
-    return serve(llm, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout)
+    startup = f"started in {time.perf_counter() - start:.1f}s: {llm.startup_note()}"
+    log.info("compiled and warm, %s", startup)
+    return serve(llm, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)

@@ -22,7 +22,12 @@ log = logging.getLogger("kvgraph.serve")
 
 class _Server(uvicorn.Server):
     """uvicorn that logs where it listens once it does, and does not re-raise the signal that
-    stopped it (uvicorn's default, which would turn a clean shutdown into a signal exit status)."""
+    stopped it (uvicorn's default, which would turn a clean shutdown into a signal exit status).
+    ``startup``: how the engine started (time, compiled graphs reused or not), for the ready line."""
+
+    def __init__(self, config: uvicorn.Config, startup: str = "") -> None:
+        super().__init__(config)
+        self.startup_note = startup
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -37,16 +42,18 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            log.info("ready: serving %s on http://%s:%d", self.config.app.state.serve.model_name, host, port)
+            note = f" ({self.startup_note})" if self.startup_note else ""
+            log.info("ready: serving %s on http://%s:%d%s", self.config.app.state.serve.model_name, host, port, note)
 
 
-def serve(llm: LLM, model_name: str, host: str, port: int, shutdown_timeout: float) -> int:
-    """Serve ``llm`` (compiled and warm) until SIGTERM or Ctrl-C; returns the exit status (0)."""
+def serve(llm: LLM, model_name: str, host: str, port: int, shutdown_timeout: float, startup: str = "") -> int:
+    """Serve ``llm`` (compiled and warm) until SIGTERM or Ctrl-C; returns the exit status (0).
+    ``startup`` goes into the ready line (how long the start took, whether compiled graphs were reused)."""
     app = build_app(llm, model_name)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False,
         timeout_graceful_shutdown=shutdown_timeout,
     )
-    _Server(config).run()
+    _Server(config, startup).run()
     log.info("stopped")
     return 0

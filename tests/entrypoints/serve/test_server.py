@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import threading
 import time
@@ -233,6 +234,7 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(server, client):
     assert not thread.is_alive()
     chunks = result["chunks"]
     assert chunks[-1].choices[0].finish_reason == "length"
-    assert any("ready: serving" in line for line in server.log)
+    ready = [line for line in server.log if "ready: serving" in line]
+    assert ready and re.search(r"\(started in [0-9.]+s: 2 graphs", ready[0]), ready
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
