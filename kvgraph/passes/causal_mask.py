@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -33,6 +34,9 @@ from torch.fx.node import map_aggregate
 from kvgraph.errors import LoweringError, WindowNotShownError
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 from kvgraph.passes.patterns import static_size
+
+if TYPE_CHECKING:
+    from kvgraph.passes.find_attention import KnownWindows
 
 Node = torch.fx.Node
 
@@ -79,10 +83,10 @@ class MaskProver:
         view: GraphView,
         token_count: int | torch.SymInt,
         example_inputs: Sequence[object] | None = None,
-        known_windows: Sequence[int | None] = (),
+        windows: KnownWindows | None = None,
     ) -> None:
         self.gm = gm
-        self.known_windows = frozenset(w for w in known_windows if w is not None)
+        self.windows = windows
         self.view = view
         self.token_count = static_size(token_count)
         self.example_inputs = example_inputs
@@ -167,19 +171,21 @@ class MaskProver:
         if isinstance(self.token_count, int):
             # A static graph is evaluated at its one token count; what its mask would do beyond
             # it is known only for causal tables (nanoGPT's tril buffer, sliced [:T, :T]).
-            # The windows of a dynamic graph of the same model (``known_windows``) explain their
+            # The model's known windows (its config's, or a dynamic graph's) explain their
             # literals: the caller gives its sites those windows.
             T = self.token_count
             tables = sorted(
                 max(v.shape) for v in constants.values() if max(v.shape, default=0) > T and not is_causal_table(v))
-            beyond = sorted(c for c in literals if c > T and c not in self.known_windows) + tables
+            known = set() if self.windows is None else set(self.windows.sizes)
+            beyond = sorted(c for c in literals if c > T and c not in known) + tables
             if beyond:
-                error = WindowNotShownError if not tables and not self.known_windows else LoweringError
+                error = WindowNotShownError if not tables and self.windows is None else LoweringError
                 raise error(
                     f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
                     f"tokens, but its mask uses the size {beyond[0]} (a sliding window?) it cannot be checked "
                     "at; lower a graph of several tokens of the same model first (kvgraph.LLM.warmup() "
-                    "does), or capture with dynamic=True"
+                    "does), give the model's windows (the backend's windows option), or capture with "
+                    "dynamic=True"
                 )
             return [T]
         wanted = set(CHECK_TOKENS) | {c + 1 for c in literals if c >= 2} | {d for d in dims if d >= 2}

@@ -20,6 +20,7 @@ raise ``LoweringError`` naming the node, target and source line.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,13 +28,35 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kvgraph.errors import LoweringError
+from kvgraph.errors import InvalidParamsError, LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.causal_mask import MaskEffect, MaskProof, MaskProver
 from kvgraph.passes.graph_view import GraphView, describe, meta_value
 from kvgraph.passes.log import log_pass
 
 Node = torch.fx.Node
+
+
+class WindowOrigin(enum.Enum):
+    """Where a model's sliding windows were learnt (the value names it in messages)."""
+
+    CONFIG = "the model's config"
+    OPTIONS = "the backend's windows option"
+    SEVERAL_TOKENS = "the model's graph of several tokens"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnownWindows:
+    """Each attention site's sliding window, in graph order (``None``: plain causal), known before
+    a graph is lowered, and where from."""
+
+    sizes: tuple[int | None, ...]
+    origin: WindowOrigin
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.sizes if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)]
+        if bad:
+            raise InvalidParamsError(f"sliding windows must be positive ints or None, got {bad[0]!r} in {self.sizes}")
 
 
 @dataclass
@@ -120,15 +143,16 @@ class _Match:
 def run(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object] | None = None,
-    windows: Sequence[int | None] | None = None,
+    windows: KnownWindows | None = None,
 ) -> AttentionAnalysis:
     """Find and check every attention site of ``gm`` (not modified); ``LoweringError`` on refusal.
 
     ``example_inputs`` (real tensors for ``gm``'s placeholders, as a Dynamo backend receives
-    them) let masks that read constant buffers be evaluated. ``windows``: each site's sliding
-    window as proven on a graph of the same model with a dynamic token count; a graph captured
-    for a fixed token count ``T`` (Dynamo specialises ``T == 1``) cannot show a window wider
-    than ``T``, so its sites take these, checked consistent with what ``T`` tokens show.
+    them) let masks that read constant buffers be evaluated. ``windows``: the model's sliding
+    windows, known from its config or a graph of the same model with a dynamic token count. A
+    graph captured for a fixed token count ``T`` (Dynamo specialises ``T == 1``) cannot show a
+    window wider than ``T``, so its sites take these, checked consistent with what ``T`` tokens
+    show; a graph of a dynamic token count shows every window, which must equal these.
     """
     start = time.perf_counter()
     view = GraphView(gm)
@@ -136,12 +160,12 @@ def run(
     if not matches:
         raise LoweringError("no attention site found in the graph: nothing to lower")
     token_count = P.shape(matches[0].q)[2] if len(P.shape(matches[0].q) or ()) == 4 else None
-    prover = MaskProver(gm, view, token_count, example_inputs, windows or ())
+    prover = MaskProver(gm, view, token_count, example_inputs, windows)
     sites = [_check(view, prover, m, token_count) for m in matches]
     for i, site in enumerate(sites):
         site.layer_idx = i
-    if windows is not None and isinstance(token_count, int):
-        _take_windows(sites, list(windows), token_count)
+    if windows is not None:
+        _take_windows(sites, windows, token_count if isinstance(token_count, int) else None)
     _check_uniform(sites)
     _check_positions_are_inputs(view, sites, matches, token_count)
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
@@ -405,22 +429,24 @@ def _check_positions_are_inputs(
             )
 
 
-def _take_windows(sites: list[AttentionSite], windows: list[int | None], T: int) -> None:
-    """Give the sites of a fixed-size graph the windows a dynamic graph of the model showed."""
-    if len(windows) != len(sites):
+def _take_windows(sites: list[AttentionSite], windows: KnownWindows, T: int | None) -> None:
+    """Check the sites' windows against the model's known ones; a fixed-size graph of ``T`` tokens
+    takes those it cannot show (wider than ``T``), a graph of a dynamic count (``T=None``) none."""
+    if len(windows.sizes) != len(sites):
         raise LoweringError(
-            f"the graph has {len(sites)} attention sites, but the model's graph of several tokens had "
-            f"{len(windows)}; one model must capture the same layers at every token count")
-    for site, known in zip(sites, windows, strict=True):
+            f"the graph has {len(sites)} attention sites, but {windows.origin.value} gives "
+            f"{len(windows.sizes)} sliding windows; one model must capture the same layers at every token count")
+    for site, known in zip(sites, windows.sizes, strict=True):
         shown = site.sliding_window
-        if shown != known and (shown is not None or known is None or T > known):
+        if shown != known and (T is None or shown is not None or known is None or T > known):
+            at = "at every token count" if T is None else f"at {T} tokens"
             raise LoweringError(
-                f"cannot lower attention {describe(site.node)}: at {T} tokens its mask is "
-                f"{'plain causal' if shown is None else f'a sliding window of {shown} tokens'}, but in the "
-                f"model's graph of several tokens {'plain causal' if known is None else f'a window of {known}'}")
+                f"cannot lower attention {describe(site.node)}: {at} its mask is "
+                f"{'plain causal' if shown is None else f'a sliding window of {shown} tokens'}, but in "
+                f"{windows.origin.value} {'plain causal' if known is None else f'a window of {known}'}")
         if known is not None and shown is None:
             site.sliding_window = known
-            site.mask += f"; sliding window of {known} tokens from the model's graph of several tokens"
+            site.mask += f"; sliding window of {known} tokens from {windows.origin.value}"
 
 
 def _windows_text(sites: list[AttentionSite]) -> str:

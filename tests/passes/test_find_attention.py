@@ -12,6 +12,7 @@ import transformers
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention, lower
+from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 from tests.nanogpt_model import NanoGPT
 from tests.passes.lowering_helpers import (
     VOCAB,
@@ -316,6 +317,23 @@ def test_static_capture_of_a_banded_buffer_is_refused():
     steps_against_eager(dynamic, result, [[list(range(1, 13)), [5, 6]], [[13], [7, 8, 9, 10, 11, 12, 13, 14, 15]]])
 
 
+def shown_windows(*sizes: int | None) -> KnownWindows:
+    return KnownWindows(sizes=sizes, origin=WindowOrigin.SEVERAL_TOKENS)
+
+
+def test_a_dynamic_graph_must_show_the_windows_given_for_it():
+    """Windows known up front (a config) are checked wherever a graph can show them."""
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")).eval()
+    several = capture(model, **hf_kwargs())
+    config = KnownWindows(sizes=(3,), origin=WindowOrigin.CONFIG)
+    assert [s.sliding_window for s in lower(several.fresh(), windows=config).sites] == [3]
+    with pytest.raises(LoweringError, match="at every token count its mask is a sliding window of 3 tokens, "
+                                            "but in the model's config a window of 4"):
+        lower(several.fresh(), windows=KnownWindows(sizes=(4,), origin=WindowOrigin.CONFIG))
+
+
 def test_fixed_size_graph_takes_the_windows_of_the_models_dynamic_graph():
     """Dynamo captures T == 1 as a graph of its own: one token shows no window, so its sites take
     the windows the several-token graph proved, and refuse without them."""
@@ -325,11 +343,11 @@ def test_fixed_size_graph_takes_the_windows_of_the_models_dynamic_graph():
     one = capture(model, dynamic=False, **hf_kwargs(1))
     with pytest.raises(LoweringError, match=r"exactly 1 tokens, but its mask uses the size 3 \(a sliding window\?\)"):
         lower(one.fresh())
-    result = lower(one.fresh(), windows=[3, 3])
+    result = lower(one.fresh(), windows=shown_windows(3, 3))
     assert [s.sliding_window for s in result.sites] == [3, 3]
     assert result.sites[0].mask.endswith("sliding window of 3 tokens from the model's graph of several tokens")
     with pytest.raises(LoweringError, match="the graph has 2 attention sites, but the model's graph of several"):
-        lower(one.fresh(), windows=[3])
+        lower(one.fresh(), windows=shown_windows(3))
     # decode steps over a cache filled by the several-token graph
     several = capture(model, **hf_kwargs())
     prefill = lower(several.fresh())
