@@ -87,7 +87,7 @@ class PositionMask(nn.Module):
         self.wte = nn.Embedding(VOCAB, 16)
         self.qkv = nn.Linear(16, 48)
 
-    def forward(self, input_ids, position_ids, extra=None):
+    def forward(self, input_ids, position_ids, extra=None, pos_mask=None):
         T = input_ids.shape[1]
         q, k, v = (t.view(1, T, 2, 8).transpose(1, 2) for t in self.qkv(self.wte(input_ids)).split(16, -1))
         pos = position_ids[0]
@@ -96,6 +96,8 @@ class PositionMask(nn.Module):
             mask = mask & (pos[None, :] < T)  # causal only while positions start at 0
         if extra is not None:
             mask = mask & (torch.arange(T)[None, :] < extra.shape[1])
+        if pos_mask is not None:  # a padding mask: 1 for a token, 0 for padding
+            mask = mask & (pos_mask[0][None, :] > 0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -114,6 +116,15 @@ def test_mask_causal_only_from_position_zero_is_refused():
 def test_mask_reading_another_size_is_refused():
     gm = capture(PositionMask(absolute=False), extra=torch.zeros(1, 9), **model_kwargs()).fresh()
     with pytest.raises(LoweringError, match="depends on the size .* which is not the token count"):
+        find_attention.run(gm)
+
+
+def test_an_integer_input_named_like_positions_is_an_input():
+    """Only the ``position_ids`` argument is evaluated as positions: a padding mask named
+    ``pos_mask`` is an input like any other, and the mask that reads it is refused."""
+    pos_mask = torch.ones(1, 6, dtype=torch.int64)
+    gm = capture(PositionMask(absolute=False), pos_mask=pos_mask, **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="its mask depends on graph input 'l_pos_mask_'"):
         find_attention.run(gm)
 
 
