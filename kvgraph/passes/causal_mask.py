@@ -22,6 +22,7 @@ Padding masks, ALiBi or other biases, and non-causal masks all fail 2.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,25 +48,33 @@ POSITION_OFFSETS = (0, 3)
 UNBOUNDED = 1 << 30  # integer literals this large (open slices, "no window") bound nothing  # positions arange(T) + offset: causal for a fresh and a continued sequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MaskProof:
-    """What evaluating a mask established: ``text`` for logs, and the ``sliding_window`` it
-    applies (keys each token sees, itself included), ``None`` for plain causal."""
+    """What evaluating a mask established: the ``sliding_window`` it applies (keys each token
+    sees, itself included; ``None``: plain causal), at ``token_counts`` sizes up to ``max_tokens``."""
 
-    text: str
-    sliding_window: int | None = None
+    sliding_window: int | None
+    token_counts: int
+    max_tokens: int
+
+    def __str__(self) -> str:
+        window = "" if self.sliding_window is None else f" within a sliding window of {self.sliding_window} tokens"
+        return f"mask proven causal{window} at {self.token_counts} token counts up to {self.max_tokens}"
 
 
-@dataclass(frozen=True)
+class EffectKind(enum.Enum):
+    """How a mask changes the scores ``s``."""
+
+    ADD = "add"  # s + tensor
+    FILL = "fill"  # where(tensor, s, value) when keep_where, else s.masked_fill(tensor, value)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MaskEffect:
-    """One change a site makes to its scores ``s`` before softmax.
+    """One change a site makes to its scores ``s`` before softmax (see :class:`EffectKind`);
+    ``keep_where``: SDPA boolean masks and ``torch.where(cond, s, v)`` keep ``s`` where ``tensor``."""
 
-    ``kind="add"``: ``s + tensor``. ``kind="fill"``: ``where(tensor, s, value)`` when
-    ``keep_where`` (SDPA boolean masks, ``torch.where(cond, s, v)``), else
-    ``s.masked_fill(tensor, value)``.
-    """
-
-    kind: str
+    kind: EffectKind
     tensor: Node
     value: float | Node | None = None
     keep_where: bool = False
@@ -136,11 +145,7 @@ class MaskProver:
                 raise LoweringError(
                     f"cannot lower attention {describe(site)}: its mask is a sliding window of {window} tokens at "
                     f"{windows[window]}, but {other} at {where}; only one fixed window can be lowered")
-        text = f"mask proven causal at {len(sizes)} token counts up to {max(sizes)}"
-        if window is not None:
-            text = f"mask proven causal within a sliding window of {window} tokens at {len(sizes)} token counts " \
-                   f"up to {max(sizes)}"
-        return MaskProof(text, window)
+        return MaskProof(sliding_window=window, token_counts=len(sizes), max_tokens=max(sizes))
 
     def _check_leaf(self, site: Node, leaf: Node) -> None:
         kind = placeholder_kind(leaf)
@@ -214,7 +219,7 @@ class MaskProver:
             scores = torch.zeros((T, T), dtype=torch.float64)
             for e in effects:
                 tensor = torch.as_tensor(env[e.tensor]).cpu()
-                if e.kind == "add":
+                if e.kind is EffectKind.ADD:
                     scores = scores + tensor.to(torch.float64)
                     continue
                 value = float(env[e.value] if isinstance(e.value, Node) else e.value)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention
-from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, is_causal_table
+from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, MaskProof, is_causal_table
 from tests.passes.lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
 
 
@@ -25,7 +25,8 @@ def test_window_wider_than_the_fixed_sizes_is_found_one_past_its_width():
     gm = capture(TinyDecoder(windowed(20)), **model_kwargs()).fresh()
     sites = find_attention.run(gm).sites
     assert [s.sliding_window for s in sites] == [20, 20]
-    assert sites[0].mask == "mask proven causal within a sliding window of 20 tokens at 5 token counts up to 21"
+    assert sites[0].mask == (MaskProof(sliding_window=20, token_counts=5, max_tokens=21),)
+    assert sites[0].mask_text == "mask proven causal within a sliding window of 20 tokens at 5 token counts up to 21"
 
 
 def test_window_beyond_the_checkable_size_is_refused():
@@ -74,7 +75,7 @@ def test_masks_that_are_no_one_window_are_refused(attn, message):
 def test_window_of_unbounded_width_is_causal():
     gm = capture(TinyDecoder(windowed(1 << 40)), **model_kwargs()).fresh()
     sites = find_attention.run(gm).sites
-    assert len(sites) == 2 and sites[0].mask.startswith("mask proven causal")
+    assert len(sites) == 2 and sites[0].mask_text.startswith("mask proven causal")
 
 
 class PositionMask(nn.Module):
@@ -104,7 +105,7 @@ class PositionMask(nn.Module):
 def test_relative_position_mask_is_causal():
     gm = capture(PositionMask(absolute=False), **model_kwargs()).fresh()
     (site,) = find_attention.run(gm).sites
-    assert site.mask.startswith("mask proven causal")
+    assert site.mask_text.startswith("mask proven causal")
 
 
 def test_mask_causal_only_from_position_zero_is_refused():
@@ -140,7 +141,7 @@ def test_constant_buffers_read_through_get_attr_need_no_example_inputs(nanogpt):
             attr.meta = dict(node.meta)
             node.replace_all_uses_with(attr)
     analysis = find_attention.run(gm)
-    assert [s.mask for s in analysis.sites] == ["mask proven causal at 5 token counts up to 32"] * 2
+    assert [s.mask for s in analysis.sites] == [(MaskProof(sliding_window=None, token_counts=5, max_tokens=32),)] * 2
 
 
 @pytest.mark.parametrize(("table", "causal"), [
