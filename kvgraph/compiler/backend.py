@@ -371,7 +371,7 @@ class CompiledModel:
     @property
     def windows_known(self) -> bool:
         """Whether the model's sliding windows are known (from its config or a graph of several
-        tokens): until then a graph of one token, which cannot show them, is refused."""
+        tokens): a graph of one token cannot show a window wider than itself and takes these."""
         return self.backend.windows.known is not None
 
     def __call__(self, *args, **kwargs):
