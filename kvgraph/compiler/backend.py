@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,15 +50,16 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.compiler.hf import refuse_own_cache, takes_use_cache, without_hf_cache
+from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
 from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
+from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 
 if TYPE_CHECKING:
     from kvgraph.passes.pipeline import LoweringResult
 
 InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
-OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights")
+OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class BackendOptions:
             Faster on the CPU; later changes to the parameters are not seen, and each compiled
             graph keeps its own packed copy of the weights. Needs the first call under
             ``torch.no_grad()`` or ``torch.inference_mode()``.
+        windows: each attention site's sliding window, known before any graph is lowered (from
+            the model's config, or given); ``None``: learnt from the first graph of a dynamic
+            token count (see :class:`ModelWindows`).
     """
 
     params: KVCacheParams | None = None
@@ -87,6 +90,7 @@ class BackendOptions:
     prune_logits: bool = True
     dump: Callable[[str, torch.fx.GraphModule], None] | None = None
     freeze_weights: bool = False
+    windows: KnownWindows | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -102,20 +106,25 @@ class BackendOptions:
 
 @dataclass
 class ModelWindows:
-    """The sliding window of each attention site of one model, learnt from its first lowered graph
-    with a dynamic token count; graphs Dynamo captures for a fixed count (``T == 1``) cannot show
-    windows wider than that and take these (``known``: ``None`` until learnt)."""
+    """The sliding windows of one compiled model's attention sites (``known``: ``None`` until known).
 
-    known: tuple[int | None, ...] | None = None
+    They are given up front (``BackendOptions.windows``: the model's config) or learnt from the
+    model's first lowered graph of a dynamic token count. A graph Dynamo captures for a fixed
+    count (``T == 1``) cannot show windows wider than that and takes these; every graph that can
+    show its windows must agree with them.
+    """
+
+    known: KnownWindows | None = None
 
     def learn(self, result: LoweringResult) -> None:
-        """Keep the windows of ``result`` if it is the model's first graph of a dynamic token count."""
+        """Keep the windows of ``result`` if none are known and its token count is dynamic."""
         from kvgraph.passes.patterns import static_size
 
         if self.known is None and result.sites:
             token_count = static_size(result.sites[0].q.meta["example_value"].shape[2])
             if not isinstance(token_count, int):
-                self.known = tuple(s.sliding_window for s in result.sites)
+                self.known = KnownWindows(
+                    sizes=tuple(s.sliding_window for s in result.sites), origin=WindowOrigin.SEVERAL_TOKENS)
 
 
 @dataclass
@@ -139,15 +148,13 @@ class GraphRunner:
     Args:
         gm: the graph Dynamo captured (kept unmodified; each layout lowers a copy).
         options: the backend's options.
-        model_windows: what the model's graphs learnt of its sliding windows (shared by its runners).
+        windows: the sliding windows of the model (its backend's, shared by the model's runners).
     """
 
-    def __init__(
-        self, gm: torch.fx.GraphModule, options: BackendOptions, model_windows: ModelWindows | None = None
-    ) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, options: BackendOptions, windows: ModelWindows) -> None:
         self.gm = gm
         self.options = options
-        self.model_windows = model_windows if model_windows is not None else ModelWindows()
+        self.windows = windows
         self.layouts: dict[CacheLayout, LoweredGraph] = {}
         self.graph_device = _graph_device(gm)
         self.fixed_layout = CacheLayout.of(options.params) if options.params is not None else None
@@ -179,12 +186,12 @@ class GraphRunner:
         result = lower(
             gm, cache_strategy=layout.strategy, page_size=layout.page_size, device=layout.device,
             expected=self.options.params, strict=True, prune_logits=self.options.prune_logits,
-            dump=self.options.dump, example_inputs=list(example_inputs), windows=self.model_windows.known,
+            dump=self.options.dump, example_inputs=list(example_inputs), windows=self.windows.known,
         )
         if not result.lowered:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
         refuse_own_cache(gm, result.sites)
-        self.model_windows.learn(result)
+        self.windows.learn(result)
         names = list(result.kv_placeholders)
         for node in gm.graph.find_nodes(op="placeholder"):
             if node.name in names and not hasattr(node, "_dynamo_source"):
@@ -214,19 +221,22 @@ class KVGraphBackend:
     The first graph of a layout is lowered and compiled when Dynamo hands it over (inside
     the first call) if the layout is known then: the manager's, or the binding of that call.
 
+    One backend serves one model: its graphs share what is known of the model's sliding windows.
+
     Attributes:
         options: see :class:`BackendOptions`.
         runners: one :class:`GraphRunner` per graph received, in order.
+        windows: the model's sliding windows, given in ``options`` or learnt from its graphs.
     """
 
-    def __init__(self, options: BackendOptions | None = None, model_windows: ModelWindows | None = None) -> None:
+    def __init__(self, options: BackendOptions | None = None) -> None:
         self.options = options or BackendOptions()
         self.runners: list[GraphRunner] = []
-        self.model_windows = model_windows if model_windows is not None else ModelWindows()
+        self.windows = ModelWindows(self.options.windows)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
-        runner = GraphRunner(gm, self.options, self.model_windows)
+        runner = GraphRunner(gm, self.options, self.windows)
         binding = current_binding()
         layout = runner.fixed_layout or (binding.layout if binding is not None else None)
         if layout is not None:
@@ -243,31 +253,21 @@ def kvgraph_backend(
     """``torch.compile(model, backend="kvgraph", options={...})``: the by-name entry point.
 
     ``options`` may set ``inner`` (default ``"inductor"``), ``prune_logits`` (default ``True``),
-    ``dump`` and ``freeze_weights`` (default ``False``); the cache layout comes from ``kvgraph.bind`` at call time.
+    ``dump``, ``freeze_weights`` (default ``False``) and ``windows`` (each attention site's sliding
+    window, ``None`` for plain causal); the cache layout comes from ``kvgraph.bind`` at call time.
+
+    By name, Dynamo hands each graph to this function alone: a graph captured for one token
+    (``T == 1``) cannot learn the windows of the same model's graph of several tokens. A model with
+    sliding windows then needs ``windows``, a :class:`KVGraphBackend` of its own (whose graphs share
+    what they learn), or :func:`compile` (which reads them from the model's config).
     """
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
-    return KVGraphBackend(BackendOptions(**options), _model_windows(example_inputs))(gm, example_inputs)
-
-
-_WINDOWS_BY_MODEL: dict[int, tuple[weakref.ref, ModelWindows]] = {}  # id(parameter) -> (its ref, windows)
-
-
-def _model_windows(example_inputs: Sequence) -> ModelWindows:
-    """By name each graph gets a backend of its own: the graphs of one model share what they learn
-    of its windows through the first parameter they read (Dynamo passes the model's own tensors)."""
-    first = next((x for x in example_inputs if isinstance(x, torch.nn.Parameter)), None)
-    if first is None:
-        return ModelWindows()
-    ref, windows = _WINDOWS_BY_MODEL.get(id(first), (None, None))
-    if ref is None or ref() is not first:
-        for key in [k for k, (r, _) in _WINDOWS_BY_MODEL.items() if r() is None]:
-            del _WINDOWS_BY_MODEL[key]  # models that are gone
-        windows = ModelWindows()
-        _WINDOWS_BY_MODEL[id(first)] = (weakref.ref(first), windows)
-    return windows
+    if options.get("windows") is not None:
+        options["windows"] = KnownWindows(sizes=tuple(options["windows"]), origin=WindowOrigin.OPTIONS)
+    return KVGraphBackend(BackendOptions(**options))(gm, example_inputs)
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -370,6 +370,12 @@ class CompiledModel:
         self.module = torch.compile(_entry_point(model), backend=backend, fullgraph=True)
         self._hf_cache = takes_use_cache(model)
 
+    @property
+    def windows_known(self) -> bool:
+        """Whether the model's sliding windows are known (from its config or a graph of several
+        tokens): a graph of one token cannot show a window wider than itself and takes these."""
+        return self.backend.windows.known is not None
+
     def __call__(self, *args, **kwargs):
         """Run the model on one ragged step: ``input_ids [1, T]``, ``position_ids [1, T]``, ...
 
@@ -426,9 +432,15 @@ def compile(
         prune_logits: return logits for each sequence's last new token only.
         dump: ``dump(stage, gm)`` after capture and after each lowering pass.
         freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
+
+    The model's sliding windows are read from its Hugging Face config where it states them
+    (:func:`kvgraph.compiler.hf.config_windows`), else learnt from its first graph of several tokens.
     """
     params = manager.params if manager is not None else None
+    sizes = config_windows(model)
+    windows = None if sizes is None else KnownWindows(sizes=sizes, origin=WindowOrigin.CONFIG)
     backend = KVGraphBackend(BackendOptions(
         params=params, inner=inner, prune_logits=prune_logits, dump=dump, freeze_weights=freeze_weights,
+        windows=windows,
     ))
     return CompiledModel(model, backend, manager)

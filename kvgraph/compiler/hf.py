@@ -58,3 +58,31 @@ def refuse_own_cache(gm: torch.fx.GraphModule, sites: Sequence) -> None:
                 "use_cache=False"
             )
         frontier.extend(user for user in node.users if not (user.op == "call_function" and user.target is op))
+
+
+def config_windows(model: torch.nn.Module) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window (keys a token sees, itself included; ``None``: plain causal) as a
+    Hugging Face config states it, or ``None`` where the config does not say.
+
+    ``layer_types`` (Qwen2, Gemma 2/3: ``"sliding_attention"`` or ``"full_attention"`` per layer)
+    with ``sliding_window``, else ``sliding_window`` for every layer (Mistral; ``None``: no window).
+    A config with neither attribute (Llama, GPT-2), or another layer type, states nothing: the
+    windows are then learnt from the model's graph of several tokens.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    config = config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not isinstance(layers, int) or (window is not None and not isinstance(window, int)):
+        return None
+    if types is not None:
+        per_type = {"sliding_attention": window, "full_attention": None}
+        if len(types) != layers or not set(types) <= set(per_type) or ("sliding_attention" in types and window is None):
+            return None
+        return tuple(per_type[t] for t in types)
+    if not hasattr(config, "sliding_window"):
+        return None
+    return (window,) * layers

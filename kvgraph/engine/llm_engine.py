@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -225,7 +225,7 @@ class LLMEngine:
     def stream(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[TokenEvent]:
-        """Yield each token of ``prompts`` as soon as it is generated (``TokenEvent.index`` says whose).
+        """Yield each token of ``prompts`` as soon as it is generated (``TokenEvent.prompt_index`` says whose).
 
         Leaving the loop early (``break``, an exception) aborts what is left and frees its pages
         as soon as the generator is closed (at once in CPython, when the loop drops it).
@@ -235,10 +235,7 @@ class LLMEngine:
         with self._aborting_on_exit(ids):
             for events in self._progress(ids, inbox):
                 for event in events:
-                    yield TokenEvent(
-                        event.request_id, index[event.request_id], event.token_id, event.text,
-                        event.finish_reason, event.error,
-                    )
+                    yield replace(event, prompt_index=index[event.request_id])
         with self._lock:
             for i in ids:
                 self._requests.pop(i, None)
@@ -347,7 +344,10 @@ class LLMEngine:
             request.error = message
             self.scheduler.finish(request, FinishReason.ERROR)
             self._stats.failed += 1
-            event = TokenEvent(request.request_id, request.request_id, None, None, FinishReason.ERROR.value, message)
+            event = TokenEvent(
+                request_id=request.request_id, token_id=None, text=None, finish_reason=FinishReason.ERROR.value,
+                error=message,
+            )
             inbox = self._inboxes.get(request.request_id)
             if inbox is not None:
                 inbox.events.append(event)
@@ -385,7 +385,7 @@ class LLMEngine:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             text = request.detokenizer.delta(request.output_ids, final=request.finished)
         reason = request.finish_reason.value if request.finished else None
-        event = TokenEvent(request.request_id, request.request_id, token, text, reason)
+        event = TokenEvent(request_id=request.request_id, token_id=token, text=text, finish_reason=reason)
         if inbox is not None:
             inbox.events.append(event)
         return event

@@ -136,22 +136,22 @@ class Completion:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenEvent:
-    """One generated token as ``LLM.stream`` yields it.
+    """One generated token, as ``LLM.step`` returns it and ``LLM.stream`` yields it.
 
     Attributes:
         request_id: the id ``LLM.add_request`` returned.
-        index: the prompt's position in the ``stream`` call.
         token_id: the new token; ``None`` on the one event of a request whose step failed.
         text: the text this token adds (``None`` without a tokenizer).
         finish_reason: set on the request's last token (``"error"`` when its step failed).
         error: the exception of a failed step (``"RuntimeError: ..."``), else ``None``.
+        prompt_index: from ``LLM.stream``, the prompt's position in that call; ``None`` elsewhere.
     """
 
     request_id: int
-    index: int
     token_id: int | None
     text: str | None
     finish_reason: str | None
     error: str | None = None
+    prompt_index: int | None = None

@@ -11,7 +11,7 @@ import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.engine.progress import CompileProgress
-from kvgraph.errors import BindingError, InvalidParamsError, WindowNotShownError
+from kvgraph.errors import BindingError, InvalidParamsError
 
 SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
@@ -89,20 +89,13 @@ class ModelRunner:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
         hits, misses = _inductor_cache_counts()
-
-        def call():
-            with bind(kv_inputs, input_row_offsets):
-                return self.compiled(input_ids=input_ids, position_ids=position_ids)
-
         with show or contextlib.nullcontext(), torch.inference_mode():
-            try:
-                out = call()
-            except WindowNotShownError:
-                # One token shows no sliding window: lower the several-token graph first (on a
-                # scratch cache, nothing of this step was written), then this one takes its windows.
-                if not one_token or not self._several_token_graph():
-                    raise
-                out = call()
+            if one_token and first and not getattr(self.compiled, "windows_known", True):
+                # One token shows no sliding window wider than itself and the model's config gave
+                # none: lower the several-token graph first, whose windows the one-token graph takes.
+                self._several_token_graph()
+            with bind(kv_inputs, input_row_offsets):
+                out = self.compiled(input_ids=input_ids, position_ids=position_ids)
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start
@@ -122,24 +115,22 @@ class ModelRunner:
             )
         return logits[0]
 
-
-    def _several_token_graph(self) -> bool:
+    def _several_token_graph(self) -> None:
         """Compile the model's graph of several tokens with a 2-token step on a scratch cache of
-        the compiled model's params; ``False`` where the model has no manager to copy."""
+        the compiled model's params (nothing where the model has no manager to copy)."""
         from kvgraph.cache.managers.factory import load_kv_manager
         from kvgraph.cache.request import KVRequest
         from kvgraph.compiler.step import run_step
 
         manager = getattr(self.compiled, "manager", None)
         if manager is None:
-            return False
+            return
         scratch = load_kv_manager(manager.params, 1, max(2, manager.params.page_size or 2))
         (seq,) = scratch.claim(1)
         try:
             run_step(self.compiled, scratch, [KVRequest(seq, [0, 0])])
         finally:
             scratch.release(seq)
-        return True
 
 
 def _logits(out: object) -> torch.Tensor:

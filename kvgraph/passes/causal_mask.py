@@ -22,8 +22,10 @@ Padding masks, ALiBi or other biases, and non-causal masks all fail 2.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -34,6 +36,9 @@ from kvgraph.errors import LoweringError, WindowNotShownError
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 from kvgraph.passes.patterns import static_size
 
+if TYPE_CHECKING:
+    from kvgraph.passes.find_attention import KnownWindows
+
 Node = torch.fx.Node
 
 MASKED = -1.0e4  # a score at or below this is hidden: exp(MASKED - O(10)) == 0 in every float dtype
@@ -43,25 +48,33 @@ POSITION_OFFSETS = (0, 3)
 UNBOUNDED = 1 << 30  # integer literals this large (open slices, "no window") bound nothing  # positions arange(T) + offset: causal for a fresh and a continued sequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MaskProof:
-    """What evaluating a mask established: ``text`` for logs, and the ``sliding_window`` it
-    applies (keys each token sees, itself included), ``None`` for plain causal."""
+    """What evaluating a mask established: the ``sliding_window`` it applies (keys each token
+    sees, itself included; ``None``: plain causal), at ``token_counts`` sizes up to ``max_tokens``."""
 
-    text: str
-    sliding_window: int | None = None
+    sliding_window: int | None
+    token_counts: int
+    max_tokens: int
+
+    def __str__(self) -> str:
+        window = "" if self.sliding_window is None else f" within a sliding window of {self.sliding_window} tokens"
+        return f"mask proven causal{window} at {self.token_counts} token counts up to {self.max_tokens}"
 
 
-@dataclass(frozen=True)
+class EffectKind(enum.Enum):
+    """How a mask changes the scores ``s``."""
+
+    ADD = "add"  # s + tensor
+    FILL = "fill"  # where(tensor, s, value) when keep_where, else s.masked_fill(tensor, value)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MaskEffect:
-    """One change a site makes to its scores ``s`` before softmax.
+    """One change a site makes to its scores ``s`` before softmax (see :class:`EffectKind`);
+    ``keep_where``: SDPA boolean masks and ``torch.where(cond, s, v)`` keep ``s`` where ``tensor``."""
 
-    ``kind="add"``: ``s + tensor``. ``kind="fill"``: ``where(tensor, s, value)`` when
-    ``keep_where`` (SDPA boolean masks, ``torch.where(cond, s, v)``), else
-    ``s.masked_fill(tensor, value)``.
-    """
-
-    kind: str
+    kind: EffectKind
     tensor: Node
     value: float | Node | None = None
     keep_where: bool = False
@@ -79,10 +92,10 @@ class MaskProver:
         view: GraphView,
         token_count: int | torch.SymInt,
         example_inputs: Sequence[object] | None = None,
-        known_windows: Sequence[int | None] = (),
+        windows: KnownWindows | None = None,
     ) -> None:
         self.gm = gm
-        self.known_windows = frozenset(w for w in known_windows if w is not None)
+        self.windows = windows
         self.view = view
         self.token_count = static_size(token_count)
         self.example_inputs = example_inputs
@@ -132,11 +145,7 @@ class MaskProver:
                 raise LoweringError(
                     f"cannot lower attention {describe(site)}: its mask is a sliding window of {window} tokens at "
                     f"{windows[window]}, but {other} at {where}; only one fixed window can be lowered")
-        text = f"mask proven causal at {len(sizes)} token counts up to {max(sizes)}"
-        if window is not None:
-            text = f"mask proven causal within a sliding window of {window} tokens at {len(sizes)} token counts " \
-                   f"up to {max(sizes)}"
-        return MaskProof(text, window)
+        return MaskProof(sliding_window=window, token_counts=len(sizes), max_tokens=max(sizes))
 
     def _check_leaf(self, site: Node, leaf: Node) -> None:
         kind = placeholder_kind(leaf)
@@ -167,19 +176,21 @@ class MaskProver:
         if isinstance(self.token_count, int):
             # A static graph is evaluated at its one token count; what its mask would do beyond
             # it is known only for causal tables (nanoGPT's tril buffer, sliced [:T, :T]).
-            # The windows of a dynamic graph of the same model (``known_windows``) explain their
+            # The model's known windows (its config's, or a dynamic graph's) explain their
             # literals: the caller gives its sites those windows.
             T = self.token_count
             tables = sorted(
                 max(v.shape) for v in constants.values() if max(v.shape, default=0) > T and not is_causal_table(v))
-            beyond = sorted(c for c in literals if c > T and c not in self.known_windows) + tables
+            known = set() if self.windows is None else set(self.windows.sizes)
+            beyond = sorted(c for c in literals if c > T and c not in known) + tables
             if beyond:
-                error = WindowNotShownError if not tables and not self.known_windows else LoweringError
+                error = WindowNotShownError if not tables and self.windows is None else LoweringError
                 raise error(
                     f"cannot lower attention {describe(site)}: the graph was captured for exactly {T} "
                     f"tokens, but its mask uses the size {beyond[0]} (a sliding window?) it cannot be checked "
                     "at; lower a graph of several tokens of the same model first (kvgraph.LLM.warmup() "
-                    "does), or capture with dynamic=True"
+                    "does), give the model's windows (the backend's windows option), or capture with "
+                    "dynamic=True"
                 )
             return [T]
         wanted = set(CHECK_TOKENS) | {c + 1 for c in literals if c >= 2} | {d for d in dims if d >= 2}
@@ -208,7 +219,7 @@ class MaskProver:
             scores = torch.zeros((T, T), dtype=torch.float64)
             for e in effects:
                 tensor = torch.as_tensor(env[e.tensor]).cpu()
-                if e.kind == "add":
+                if e.kind is EffectKind.ADD:
                     scores = scores + tensor.to(torch.float64)
                     continue
                 value = float(env[e.value] if isinstance(e.value, Node) else e.value)

@@ -20,6 +20,7 @@ raise ``LoweringError`` naming the node, target and source line.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,16 +28,68 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kvgraph.errors import LoweringError
+from kvgraph.errors import InvalidParamsError, LoweringError
 from kvgraph.passes import patterns as P
-from kvgraph.passes.causal_mask import MaskEffect, MaskProof, MaskProver
+from kvgraph.passes.causal_mask import EffectKind, MaskEffect, MaskProof, MaskProver
 from kvgraph.passes.graph_view import GraphView, describe, meta_value
 from kvgraph.passes.log import log_pass
+from kvgraph.passes.patterns import KVRepeat
 
 Node = torch.fx.Node
 
 
-@dataclass
+class WindowOrigin(enum.Enum):
+    """Where a model's sliding windows were learnt (the value names it in messages)."""
+
+    CONFIG = "the model's config"
+    OPTIONS = "the backend's windows option"
+    SEVERAL_TOKENS = "the model's graph of several tokens"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnownWindows:
+    """Each attention site's sliding window, in graph order (``None``: plain causal), known before
+    a graph is lowered, and where from."""
+
+    sizes: tuple[int | None, ...]
+    origin: WindowOrigin
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.sizes if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)]
+        if bad:
+            raise InvalidParamsError(f"sliding windows must be positive ints or None, got {bad[0]!r} in {self.sizes}")
+
+
+class AttentionKind(enum.Enum):
+    """The form an attention site was written in."""
+
+    SDPA = "sdpa"  # F.scaled_dot_product_attention
+    EXPLICIT = "explicit"  # matmul(q, k^T) -> scales, masks -> softmax -> matmul(., v)
+
+
+@dataclass(frozen=True)
+class CausalFlag:
+    """SDPA's ``is_causal=True``: causal by the op's own definition, nothing to prove."""
+
+    def __str__(self) -> str:
+        return "is_causal=True"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowTaken:
+    """A window a fixed-size graph cannot show, taken from the model's known windows."""
+
+    window: int
+    origin: WindowOrigin
+
+    def __str__(self) -> str:
+        return f"sliding window of {self.window} tokens from {self.origin.value}"
+
+
+MaskPart = CausalFlag | MaskProof | WindowTaken
+
+
+@dataclass(kw_only=True)
 class AttentionSite:
     """One attention call of the graph, as the lowering needs it.
 
@@ -47,7 +100,7 @@ class AttentionSite:
     """
 
     node: Node
-    kind: str  # "sdpa" or "explicit"
+    kind: AttentionKind
     q: Node
     k: Node
     v: Node
@@ -58,16 +111,21 @@ class AttentionSite:
     device: torch.device
     scale: float | None
     scale_factors: tuple[tuple[str, Node], ...]
-    repeat: str | None  # how K/V were repeated: "expand+reshape", "repeat_interleave", "enable_gqa"
-    mask: str  # how causality was established
+    repeat: KVRepeat | None  # how K/V were repeated (None: not repeated)
+    mask: tuple[MaskPart, ...]  # how causality was established
     body: frozenset[Node]  # the nodes of the pattern itself
     layer_idx: int = -1
     sliding_window: int | None = None  # keys each token sees (itself included) under a local mask
     softcap: float | None = None  # scores s become softcap * tanh(s / softcap) before the mask
 
+    @property
+    def mask_text(self) -> str:
+        """How causality was established, for logs and messages."""
+        return "; ".join(map(str, self.mask))
+
     def __repr__(self) -> str:
-        return (f"AttentionSite(layer {self.layer_idx}: {self.kind} '{self.node.name}', Hq={self.n_heads}, "
-                f"Hkv={self.n_kv_heads}, D={self.head_dim}, {self.dtype}, scale={self.scale}, {self.mask})")
+        return (f"AttentionSite(layer {self.layer_idx}: {self.kind.value} '{self.node.name}', Hq={self.n_heads}, "
+                f"Hkv={self.n_kv_heads}, D={self.head_dim}, {self.dtype}, scale={self.scale}, {self.mask_text})")
 
 
 @dataclass
@@ -99,19 +157,19 @@ class AttentionAnalysis:
         return self.sites[0].device
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Match:
     """A matched pattern before the checks that need the whole graph."""
 
     node: Node
-    kind: str
+    kind: AttentionKind
     q: Node
     k: Node  # as consumed (maybe repeated)
     v: Node
     scale: float | None
     scale_factors: tuple[tuple[str, Node], ...]
     effects: tuple[MaskEffect, ...]
-    mask: str
+    is_causal: bool  # SDPA's flag: no mask to prove
     gqa: bool
     body: frozenset[Node]
     softcap: float | None = None
@@ -120,15 +178,16 @@ class _Match:
 def run(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object] | None = None,
-    windows: Sequence[int | None] | None = None,
+    windows: KnownWindows | None = None,
 ) -> AttentionAnalysis:
     """Find and check every attention site of ``gm`` (not modified); ``LoweringError`` on refusal.
 
     ``example_inputs`` (real tensors for ``gm``'s placeholders, as a Dynamo backend receives
-    them) let masks that read constant buffers be evaluated. ``windows``: each site's sliding
-    window as proven on a graph of the same model with a dynamic token count; a graph captured
-    for a fixed token count ``T`` (Dynamo specialises ``T == 1``) cannot show a window wider
-    than ``T``, so its sites take these, checked consistent with what ``T`` tokens show.
+    them) let masks that read constant buffers be evaluated. ``windows``: the model's sliding
+    windows, known from its config or a graph of the same model with a dynamic token count. A
+    graph captured for a fixed token count ``T`` (Dynamo specialises ``T == 1``) cannot show a
+    window wider than ``T``, so its sites take these, checked consistent with what ``T`` tokens
+    show; a graph of a dynamic token count shows every window, which must equal these.
     """
     start = time.perf_counter()
     view = GraphView(gm)
@@ -136,21 +195,21 @@ def run(
     if not matches:
         raise LoweringError("no attention site found in the graph: nothing to lower")
     token_count = P.shape(matches[0].q)[2] if len(P.shape(matches[0].q) or ()) == 4 else None
-    prover = MaskProver(gm, view, token_count, example_inputs, windows or ())
+    prover = MaskProver(gm, view, token_count, example_inputs, windows)
     sites = [_check(view, prover, m, token_count) for m in matches]
     for i, site in enumerate(sites):
         site.layer_idx = i
-    if windows is not None and isinstance(token_count, int):
-        _take_windows(sites, list(windows), token_count)
+    if windows is not None:
+        _take_windows(sites, windows, token_count if isinstance(token_count, int) else None)
     _check_uniform(sites)
     _check_positions_are_inputs(view, sites, matches, token_count)
     mask_nodes = set().union(*(prover.mask_nodes(m.effects) for m in matches))
     dead = view.only_feeding(mask_nodes, set().union(*(s.body for s in sites)))
     analysis = AttentionAnalysis(sites, token_count, frozenset(dead))
-    kinds = ", ".join(sorted({s.kind + (f"+{s.repeat}" if s.repeat else "") for s in sites}))
+    kinds = ", ".join(sorted({s.kind.value + (f"+{s.repeat.value}" if s.repeat else "") for s in sites}))
     log_pass("find_attention", start,
              f"{len(sites)} sites ({kinds}), Hkv={analysis.n_kv_heads}, D={analysis.head_dim}, "
-             f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask}"
+             f"{analysis.dtype}, {len(dead)} mask-only nodes; {sites[0].mask_text}"
              + _windows_text(sites))
     return analysis
 
@@ -182,8 +241,8 @@ def _match_sdpa(node: Node) -> _Match:
         raise LoweringError(f"cannot lower attention {describe(node)}: both attn_mask and is_causal=True")
     if isinstance(mask, Node):
         dtype = getattr(meta_value(mask), "dtype", None)
-        effects = ((MaskEffect("fill", mask, float("-inf"), keep_where=True),) if dtype == torch.bool
-                   else (MaskEffect("add", mask),))
+        effects = ((MaskEffect(kind=EffectKind.FILL, tensor=mask, value=float("-inf"), keep_where=True),)
+                   if dtype == torch.bool else (MaskEffect(kind=EffectKind.ADD, tensor=mask),))
     elif mask is None:
         effects = ()
     else:
@@ -195,8 +254,9 @@ def _match_sdpa(node: Node) -> _Match:
         factors, scale = (("mul", scale),), 1.0
     elif scale is not None:
         scale = float(scale)
-    return _Match(node, "sdpa", a["query"], a["key"], a["value"], scale, factors, effects,
-                  "is_causal=True" if is_causal else "", bool(a["enable_gqa"]), frozenset((node,)))
+    return _Match(node=node, kind=AttentionKind.SDPA, q=a["query"], k=a["key"], v=a["value"], scale=scale,
+                  scale_factors=factors, effects=effects, is_causal=is_causal, gqa=bool(a["enable_gqa"]),
+                  body=frozenset((node,)))
 
 
 def _match_explicit(softmax: Node) -> _Match:
@@ -226,12 +286,12 @@ def _match_explicit(softmax: Node) -> _Match:
         elif P.is_call(node, P.DIV) and pos == 0 and len(side) == 1 and P.is_scalar(side[0]):
             scale, factors = _apply_factor("div", side[0], scale, factors)
         elif P.is_call(node, P.ADD) and len(side) == 1 and isinstance(side[0], Node) and not P.is_scalar(side[0]):
-            effects.append(MaskEffect("add", side[0]))
+            effects.append(MaskEffect(kind=EffectKind.ADD, tensor=side[0]))
         elif P.is_call(node, P.MASKED_FILL) and pos == 0:
-            effects.append(MaskEffect("fill", P.arg(node, 1, "mask"), P.arg(node, 2, "value")))
+            effects.append(MaskEffect(kind=EffectKind.FILL, tensor=P.arg(node, 1, "mask"), value=P.arg(node, 2, "value")))
         elif P.is_call(node, P.WHERE) and pos in (1, 2) and len(node.args) == 3:
             cond, value = node.args[0], node.args[3 - pos]
-            effects.append(MaskEffect("fill", cond, value, keep_where=(pos == 1)))
+            effects.append(MaskEffect(kind=EffectKind.FILL, tensor=cond, value=value, keep_where=(pos == 1)))
         else:
             raise LoweringError(f"cannot lower attention {describe(node)}: unsupported op on the attention scores")
     pv, tail = _weights_to_pv(softmax)
@@ -241,7 +301,9 @@ def _match_explicit(softmax: Node) -> _Match:
             "(bidirectional attention is not causal)"
         )
     body = frozenset({qk, qk.args[1], softmax, pv, *tail, *(n for n, _ in steps[1])})  # with a soft-cap's nodes
-    return _Match(pv, "explicit", q, k, pv.args[1], scale, tuple(factors), tuple(effects), "", False, body, softcap)
+    return _Match(node=pv, kind=AttentionKind.EXPLICIT, q=q, k=k, v=pv.args[1], scale=scale,
+                  scale_factors=tuple(factors), effects=tuple(effects), is_causal=False, gqa=False, body=body,
+                  softcap=softcap)
 
 
 def _soft_cap(softmax: Node, chain: list[tuple[Node, int]]) -> tuple[list[tuple[Node, int]], float | None]:
@@ -367,17 +429,20 @@ def _check(view: GraphView, prover: MaskProver, m: _Match, token_count: object) 
     dtypes = {meta_value(n).dtype for n in (m.q, k, v)}
     if len(dtypes) != 1:
         raise refuse(f"q, k, v dtypes differ: {sorted(map(str, dtypes))}")
-    proof = MaskProof(m.mask) if m.mask else prover.prove(m.node, m.effects)
+    proof = None if m.is_causal else prover.prove(m.node, m.effects)
     val = meta_value(m.q)
-    return AttentionSite(m.node, m.kind, m.q, k, v, Hq, Hkv, D, val.dtype, val.device, m.scale,
-                         m.scale_factors, how, proof.text, m.body, sliding_window=proof.sliding_window,
-                         softcap=m.softcap)
+    return AttentionSite(
+        node=m.node, kind=m.kind, q=m.q, k=k, v=v, n_heads=Hq, n_kv_heads=Hkv, head_dim=D, dtype=val.dtype,
+        device=val.device, scale=m.scale, scale_factors=m.scale_factors, repeat=how,
+        mask=(CausalFlag(),) if proof is None else (proof,), body=m.body,
+        sliding_window=None if proof is None else proof.sliding_window, softcap=m.softcap,
+    )
 
 
-def _unrepeat(m: _Match) -> tuple[Node, Node, str | None]:
+def _unrepeat(m: _Match) -> tuple[Node, Node, KVRepeat | None]:
     """The un-repeated K and V of a match (both or neither), and how they were repeated."""
     if m.gqa:
-        return m.k, m.v, "enable_gqa"
+        return m.k, m.v, KVRepeat.ENABLE_GQA
     k, v = P.unrepeat_kv(m.k), P.unrepeat_kv(m.v)
     if k.how is None or v.how is None or P.shape(k.node)[1] != P.shape(v.node)[1]:
         return m.k, m.v, None
@@ -405,22 +470,24 @@ def _check_positions_are_inputs(
             )
 
 
-def _take_windows(sites: list[AttentionSite], windows: list[int | None], T: int) -> None:
-    """Give the sites of a fixed-size graph the windows a dynamic graph of the model showed."""
-    if len(windows) != len(sites):
+def _take_windows(sites: list[AttentionSite], windows: KnownWindows, T: int | None) -> None:
+    """Check the sites' windows against the model's known ones; a fixed-size graph of ``T`` tokens
+    takes those it cannot show (wider than ``T``), a graph of a dynamic count (``T=None``) none."""
+    if len(windows.sizes) != len(sites):
         raise LoweringError(
-            f"the graph has {len(sites)} attention sites, but the model's graph of several tokens had "
-            f"{len(windows)}; one model must capture the same layers at every token count")
-    for site, known in zip(sites, windows, strict=True):
+            f"the graph has {len(sites)} attention sites, but {windows.origin.value} gives "
+            f"{len(windows.sizes)} sliding windows; one model must capture the same layers at every token count")
+    for site, known in zip(sites, windows.sizes, strict=True):
         shown = site.sliding_window
-        if shown != known and (shown is not None or known is None or T > known):
+        if shown != known and (T is None or shown is not None or known is None or T > known):
+            at = "at every token count" if T is None else f"at {T} tokens"
             raise LoweringError(
-                f"cannot lower attention {describe(site.node)}: at {T} tokens its mask is "
-                f"{'plain causal' if shown is None else f'a sliding window of {shown} tokens'}, but in the "
-                f"model's graph of several tokens {'plain causal' if known is None else f'a window of {known}'}")
+                f"cannot lower attention {describe(site.node)}: {at} its mask is "
+                f"{'plain causal' if shown is None else f'a sliding window of {shown} tokens'}, but in "
+                f"{windows.origin.value} {'plain causal' if known is None else f'a window of {known}'}")
         if known is not None and shown is None:
             site.sliding_window = known
-            site.mask += f"; sliding window of {known} tokens from the model's graph of several tokens"
+            site.mask = (*site.mask, WindowTaken(window=known, origin=windows.origin))
 
 
 def _windows_text(sites: list[AttentionSite]) -> str:

@@ -6,10 +6,12 @@ user reads only the producer's metadata (``x.size(1)``, ``x.shape``, ``sym_size`
 such a use does not make the user depend on the producer's *values*, which is what
 "this mask depends only on sizes" means. Dataflow helpers walk data edges only.
 
-Placeholders are classified by what they hold (:func:`placeholder_kind`):
-``"size"`` (a SymInt), ``"constant"`` (module state: parameters, buffers, unspecialised
-float attributes, globals), ``"position"`` (integer position ids) and ``"input"``
-(every other tensor input: token ids, embeddings, attention masks, encoder states).
+Placeholders are classified by what they hold (:func:`placeholder_kind`), read from the
+source Dynamo records for each graph input (``node._dynamo_source``), never from its name:
+``"size"`` (a SymInt), ``"constant"`` (module state: parameters, buffers, attributes; globals
+and closure variables), ``"position"`` (the integer ``position_ids`` argument kvgraph calls the
+model with) and ``"input"`` (every other argument of the call: token ids, embeddings, attention
+masks, encoder states; and any placeholder without a Dynamo source).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Iterable
 import networkx as nx
 import torch
 import torch.fx
+from torch._dynamo.source import DictGetItemSource, LocalSource
+from torch._guards import Source
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import _get_qualified_name
 
@@ -31,8 +35,7 @@ _SHAPE_FUNCTIONS = frozenset({
     torch.ops.aten.sym_numel.default, torch.numel,
 })
 _SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda"})
-_POSITION_NAME = re.compile(r"position|(^|_)pos(_|$)")
-_CONSTANT_NAME = re.compile(r"^(l|g)_self_|^g_")
+POSITION_IDS = "position_ids"  # the keyword kvgraph passes the token positions by
 
 
 def meta_value(node: torch.fx.Node):
@@ -64,16 +67,37 @@ def placeholder_kind(node: torch.fx.Node) -> str:
     val = meta_value(node)
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
         return "size"
-    if isinstance(val, torch.nn.Parameter):
+    source = getattr(node, "_dynamo_source", None)
+    if source is None:
+        return "input"
+    guard = source.guard_source
+    if guard.is_specialized_nn_module() or guard.is_unspecialized_nn_module() or guard.is_fsdp_module():
         return "constant"
-    if (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type") is not None:
+    if not _is_call_argument(source):
         return "constant"
-    name = node.name.lower()
-    if _CONSTANT_NAME.search(name):
-        return "constant"
-    if isinstance(val, torch.Tensor) and not val.is_floating_point() and _POSITION_NAME.search(name):
+    if isinstance(val, torch.Tensor) and not val.is_floating_point() and _is_position_ids(source):
         return "position"
     return "input"
+
+
+def _root(source: Source) -> Source:
+    while hasattr(source, "base"):
+        source = source.base
+    return source
+
+
+def _is_call_argument(source: Source) -> bool:
+    """Whether ``source`` reads an argument of the compiled call (not a global or closure variable)."""
+    root = _root(source)
+    return isinstance(root, LocalSource) and root.is_input
+
+
+def _is_position_ids(source: Source) -> bool:
+    """Whether ``source`` is the call's ``position_ids`` argument, by name or in ``**kwargs``."""
+    if isinstance(source, LocalSource):
+        return source.local_name == POSITION_IDS
+    return (isinstance(source, DictGetItemSource) and source.index == POSITION_IDS
+            and isinstance(source.base, LocalSource) and source.base.is_varkw)
 
 
 def source_location(node: torch.fx.Node) -> str:

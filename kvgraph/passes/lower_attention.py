@@ -29,6 +29,7 @@ from kvgraph.passes.add_kv_inputs import KVPlaceholders, graph_fake_mode, uncach
 from kvgraph.passes.find_attention import AttentionSite
 from kvgraph.passes.graph_view import meta_value
 from kvgraph.passes.log import log_pass
+from kvgraph.passes.patterns import KVRepeat
 
 Node = torch.fx.Node
 _FACTOR_OPS = {"mul": operator.mul, "div": operator.truediv}
@@ -68,7 +69,7 @@ def run(gm: torch.fx.GraphModule, sites: list[AttentionSite], kv: KVPlaceholders
         calls.append(call)
     log_pass("lower_attention", start,
              f"{len(calls)} sites -> {op}, layer_idx 0..{len(calls) - 1}, "
-             f"{sum(1 for s in sites if s.repeat in ('expand+reshape', 'repeat_interleave'))} un-repeated K/V")
+             f"{sum(1 for s in sites if s.repeat in (KVRepeat.EXPAND_RESHAPE, KVRepeat.REPEAT_INTERLEAVE))} un-repeated K/V")
     return calls
 
 

@@ -8,6 +8,7 @@ nodes' fake values and live here, beside the patterns.
 
 from __future__ import annotations
 
+import enum
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -171,12 +172,20 @@ def sole_user(node: Node) -> Node | None:
 
 
 # -- repeated K/V (GQA) --
+class KVRepeat(enum.Enum):
+    """How an attention site's K/V heads were repeated to the query heads."""
+
+    EXPAND_RESHAPE = "expand+reshape"  # Hugging Face's repeat_kv
+    REPEAT_INTERLEAVE = "repeat_interleave"
+    ENABLE_GQA = "enable_gqa"  # not in the graph: SDPA repeats them itself
+
+
 @dataclass(frozen=True)
 class Unrepeated:
     """A K or V operand with its head repetition undone."""
 
     node: Node  # the un-repeated tensor [B, Hkv, T, D]
-    how: str | None  # "expand+reshape", "repeat_interleave" or None (not repeated)
+    how: KVRepeat | None  # None: not repeated
 
 
 def unrepeat_kv(node: Node) -> Unrepeated:
@@ -193,7 +202,7 @@ def unrepeat_kv(node: Node) -> Unrepeated:
         src, dim = node.args[0], arg(node, 2, "dim")
         s = shape(src)
         if isinstance(dim, int) and dim % 4 == 1 and isinstance(arg(node, 1, "repeats"), int) and s and len(s) == 4:
-            return Unrepeated(src, "repeat_interleave")
+            return Unrepeated(src, KVRepeat.REPEAT_INTERLEAVE)
         return Unrepeated(node, None)
     if is_call(node, RESHAPE) and is_call(node.args[0], EXPAND):
         expanded = node.args[0]
@@ -207,7 +216,7 @@ def unrepeat_kv(node: Node) -> Unrepeated:
                 and same_size(s[2], e[3]) and same_size(s[3], e[4])
                 and same_size(out[1], e[1] * e[2])
                 and same_size(out[2], s[2]) and same_size(out[3], s[3])):
-            return Unrepeated(src, "expand+reshape")
+            return Unrepeated(src, KVRepeat.EXPAND_RESHAPE)
     return Unrepeated(node, None)
 
 

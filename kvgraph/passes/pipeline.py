@@ -24,7 +24,7 @@ from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.cache.symbols import RaggedKVCacheInputSymbols
 from kvgraph.errors import LoweringError
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
-from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite
+from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite, KnownWindows
 from kvgraph.passes.graph_view import copy_module
 from kvgraph.passes.log import log_pass, logger
 
@@ -62,7 +62,7 @@ class LoweringPipeline:
         prune_logits: bool = True,
         dump: Dump | None = None,
         example_inputs: Sequence[object] | None = None,
-        windows: Sequence[int | None] | None = None,
+        windows: KnownWindows | None = None,
     ) -> None:
         self.cache_strategy = KVCacheStrategy.parse(cache_strategy)
         # Validates page_size for the strategy now (InvalidParamsError), before any graph is touched.
@@ -155,7 +155,7 @@ def lower(
     prune_logits: bool = True,
     dump: Dump | None = None,
     example_inputs: Sequence[object] | None = None,
-    windows: Sequence[int | None] | None = None,
+    windows: KnownWindows | None = None,
 ) -> LoweringResult:
     """Lower a Dynamo graph of a decoder (batch of one, ``[1, T]`` tokens) to a ragged KV-cache graph.
 
@@ -172,12 +172,12 @@ def lower(
         dump: ``dump(stage, gm)`` with ``"captured"`` before the passes and each pass's name after it.
         example_inputs: real tensors for ``gm``'s placeholders (what a Dynamo backend receives),
             needed to check masks that read constant buffers (nanoGPT's ``bias``).
-        windows: each site's sliding window (``None``: plain causal) from a lowering of the same
-            model's graph with a dynamic token count; a graph captured for a fixed token count
-            (Dynamo specialises ``T == 1``) takes them, as it cannot show a window wider than ``T``.
+        windows: the model's sliding windows, known from its config or a lowering of its graph
+            with a dynamic token count; a graph captured for a fixed token count (Dynamo
+            specialises ``T == 1``) takes them, as it cannot show a window wider than ``T``, and
+            a graph of a dynamic count must show the same.
     """
     return LoweringPipeline(
         cache_strategy=cache_strategy, page_size=page_size, device=device, expected=expected, strict=strict,
-        prune_logits=prune_logits, dump=dump, example_inputs=example_inputs,
-        windows=windows,
+        prune_logits=prune_logits, dump=dump, example_inputs=example_inputs, windows=windows,
     )(gm)

@@ -73,7 +73,7 @@ def test_stream_reports_the_failed_request_once_with_its_error(llm, fail_on_call
     fail_on_call(2)
     events = list(llm.stream([[4] * 5, [3] * 6], SamplingParams(max_new_tokens=3, ignore_eos=True)))
     failed = [e for e in events if e.finish_reason == "error"]
-    assert sorted(e.index for e in failed) == [0, 1]
+    assert sorted(e.prompt_index for e in failed) == [0, 1]
     assert all(e.token_id is None and e.error == "RuntimeError: injected fault" for e in failed)
     assert all(e.token_id is not None for e in events if e not in failed)
     assert all_free(llm)

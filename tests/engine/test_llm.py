@@ -81,8 +81,8 @@ def test_abort_frees_the_pages_at_once_and_the_others_finish(llm, llama, hf_gree
     tokens = {0: [], 1: [], 2: []}
     aborted = False
     for event in llm.stream(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True)):
-        tokens[event.index].append(event.token_id)
-        if event.index == 1 and len(tokens[1]) == 2 and not aborted:
+        tokens[event.prompt_index].append(event.token_id)
+        if event.prompt_index == 1 and len(tokens[1]) == 2 and not aborted:
             free = llm.manager.free_pages
             llm.abort(event.request_id)
             assert llm.manager.free_pages > free
@@ -320,6 +320,6 @@ def test_stream_text_adds_up_and_breaking_out_frees_everything(llm):
     assert event.finish_reason == "length" and len(ids) == 6
     assert "".join(pieces) == llm.tokenizer.decode(ids, skip_special_tokens=True)
     for event in llm.stream(["a", "bb", "ccc"], SamplingParams(max_new_tokens=10)):
-        if event.index == 2:
+        if event.prompt_index == 2:
             break
     assert _all_free(llm)

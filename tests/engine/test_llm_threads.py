@@ -81,8 +81,8 @@ def test_stream_from_eight_threads_equals_serial_runs(llm):
         ids: list[list[int]] = [[], [], []]
         text = ["", "", ""]
         for event in llm.stream(_prompts(i), _sampling(i)):
-            ids[event.index].append(event.token_id)
-            text[event.index] += event.text
+            ids[event.prompt_index].append(event.token_id)
+            text[event.prompt_index] += event.text
         return ids, text
 
     serial = [tokens_and_text(i) for i in range(THREADS)]

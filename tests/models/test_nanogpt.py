@@ -5,6 +5,7 @@ import torch
 
 import kvgraph
 from kvgraph import KVCacheParams
+from kvgraph.passes.find_attention import AttentionKind
 from tests.models.tiny_models import make_manager, ragged_decode
 from tests.nanogpt_model import NanoGPT
 
@@ -26,7 +27,7 @@ def test_nanogpt_lowers_and_matches_eager(strategy):
 
     (runner,) = compiled.backend.runners[:1]
     sites = next(iter(runner.layouts.values())).result.sites
-    assert [s.kind for s in sites] == ["explicit"] * N_LAYER
+    assert [s.kind for s in sites] == [AttentionKind.EXPLICIT] * N_LAYER
     with torch.no_grad():
         for b, prompt in enumerate(prompts):
             history = prompt + got.tokens[b]

@@ -1,9 +1,9 @@
 """Hugging Face decoders with local (sliding-window) attention generate like their own ``generate``.
 
-The window is read from the model's mask, carried by each lowered site to the fused op and
-applied by the kernel over the paged or continuous cache: prompts and generations run past
-the window, and a single sequence decodes through Dynamo's ``T == 1`` graph, which takes the
-windows of the several-token graph.
+The window is read from the model's config and proven on its mask, carried by each lowered site
+to the fused op and applied by the kernel over the paged or continuous cache: prompts and
+generations run past the window, and a single sequence decodes through Dynamo's ``T == 1`` graph,
+which takes the windows of the config (or, without them, of the several-token graph).
 """
 
 import pytest
@@ -12,6 +12,8 @@ import transformers
 
 import kvgraph
 from kvgraph import KVRequest, WindowNotShownError
+from kvgraph.compiler.backend import BackendOptions, KVGraphBackend
+from kvgraph.compiler.hf import config_windows
 from kvgraph.compiler.step import run_step
 from tests.models.tiny_models import (
     COMMON,
@@ -21,6 +23,7 @@ from tests.models.tiny_models import (
     make_manager,
     reference_greedy,
 )
+from tests.passes.lowering_helpers import tiny_llama
 
 NEW_TOKENS = 24
 PROMPTS = [[5, 9, 17, 33, 2, 8, 1, 4, 4, 4, 70], [7, 3], [100, 3, 3, 8, 64, 1]]
@@ -82,29 +85,53 @@ def test_one_sequence_decodes_through_the_one_token_graph():
         assert [s.sliding_window for s in lowered.result.sites] == [5, 5]
 
 
-def test_a_one_token_first_step_compiles_the_several_token_graph_first():
-    """The first step is one sequence of one token: the engine lowers the several-token graph on a
-    scratch cache first, so the one-token graph can take its windows; the output is generate's."""
+@pytest.mark.parametrize("from_config", [True, False], ids=["config", "graph"])
+def test_a_one_token_first_step_takes_the_models_windows(from_config, monkeypatch):
+    """The first step is one sequence of one token. The one-token graph takes the windows of the
+    model's config; without them the engine lowers the several-token graph on a scratch cache
+    first, whose windows it takes. Either way the output is generate's."""
     model = mistral(window=5)
+    if not from_config:
+        monkeypatch.setattr("kvgraph.compiler.backend.config_windows", lambda model: None)
     llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=64, page_size=4)
+    assert llm.runner.compiled.windows_known == from_config
     ref = reference_greedy(model, [9], 12).tokens[0]
     assert llm.generate([[9]], kvgraph.SamplingParams(max_new_tokens=12))[0].token_ids == ref
     assert llm.manager.num_claimed == 0
+    assert windows_of(llm) == [5, 5]
 
 
-def test_without_a_several_token_graph_one_token_is_refused_clearly():
-    """By name there is no manager to copy a scratch cache from: the refusal says what to do, and
-    after a several-token step the one-token graph of the same model takes its windows."""
+def test_by_name_one_token_without_windows_is_refused_clearly():
+    """By name each graph is lowered alone: a one-token graph with no windows given is refused with
+    what to do; given the windows it lowers, and so does a backend of the model's own after a
+    several-token step."""
     model = mistral(window=5)
-    compiled = torch.compile(model, backend="kvgraph", options={"inner": "eager"})
     manager = make_manager(kv_params(model, "paged"))
-    (seq,) = manager.claim(1)
-    with pytest.raises(WindowNotShownError, match=r"exactly 1 tokens, .*size 5 \(a sliding window\?\).*warmup"):
-        run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [9])])
-    manager.release(seq)
-    (seq,) = manager.claim(1)
-    run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [9, 10, 11])])
-    run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, [12])])  # now it lowers
+
+    def step(compiled, tokens: list[int]) -> None:
+        (seq,) = manager.claim(1)
+        try:
+            run_step(lambda **kw: compiled(**kw, use_cache=False), manager, [KVRequest(seq, tokens)])
+        finally:
+            manager.release(seq)
+
+    by_name = torch.compile(model, backend="kvgraph", options={"inner": "eager"})
+    with pytest.raises(WindowNotShownError, match=r"exactly 1 tokens, .*size 5 \(a sliding window\?\).*windows option"):
+        step(by_name, [9])
+    torch._dynamo.reset()
+    step(torch.compile(model, backend="kvgraph", options={"inner": "eager", "windows": [5, 5]}), [9])
+    torch._dynamo.reset()
+    own = torch.compile(model, backend=KVGraphBackend(BackendOptions(inner="eager")), dynamic=True)
+    step(own, [9, 10, 11])
+    step(own, [12])
+
+
+@pytest.mark.parametrize(("factory", "windows"), [
+    (mistral, (6, 6)), (qwen2_local_second_layer, (None, 5)), (gemma3, (4, None)),
+    (tiny_llama, None),
+], ids=["mistral", "qwen2", "gemma3", "llama"])
+def test_windows_are_read_from_the_config(factory, windows):
+    assert config_windows(factory()) == windows
 
 
 def test_the_default_mistral_window_of_4096_is_proven_and_kept():

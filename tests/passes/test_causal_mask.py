@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention
-from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, is_causal_table
+from kvgraph.passes.causal_mask import MAX_CHECK_TOKENS, MaskProof, is_causal_table
 from tests.passes.lowering_helpers import VOCAB, TinyDecoder, capture, model_kwargs
 
 
@@ -25,7 +25,8 @@ def test_window_wider_than_the_fixed_sizes_is_found_one_past_its_width():
     gm = capture(TinyDecoder(windowed(20)), **model_kwargs()).fresh()
     sites = find_attention.run(gm).sites
     assert [s.sliding_window for s in sites] == [20, 20]
-    assert sites[0].mask == "mask proven causal within a sliding window of 20 tokens at 5 token counts up to 21"
+    assert sites[0].mask == (MaskProof(sliding_window=20, token_counts=5, max_tokens=21),)
+    assert sites[0].mask_text == "mask proven causal within a sliding window of 20 tokens at 5 token counts up to 21"
 
 
 def test_window_beyond_the_checkable_size_is_refused():
@@ -74,7 +75,7 @@ def test_masks_that_are_no_one_window_are_refused(attn, message):
 def test_window_of_unbounded_width_is_causal():
     gm = capture(TinyDecoder(windowed(1 << 40)), **model_kwargs()).fresh()
     sites = find_attention.run(gm).sites
-    assert len(sites) == 2 and sites[0].mask.startswith("mask proven causal")
+    assert len(sites) == 2 and sites[0].mask_text.startswith("mask proven causal")
 
 
 class PositionMask(nn.Module):
@@ -87,7 +88,7 @@ class PositionMask(nn.Module):
         self.wte = nn.Embedding(VOCAB, 16)
         self.qkv = nn.Linear(16, 48)
 
-    def forward(self, input_ids, position_ids, extra=None):
+    def forward(self, input_ids, position_ids, extra=None, pos_mask=None):
         T = input_ids.shape[1]
         q, k, v = (t.view(1, T, 2, 8).transpose(1, 2) for t in self.qkv(self.wte(input_ids)).split(16, -1))
         pos = position_ids[0]
@@ -96,13 +97,15 @@ class PositionMask(nn.Module):
             mask = mask & (pos[None, :] < T)  # causal only while positions start at 0
         if extra is not None:
             mask = mask & (torch.arange(T)[None, :] < extra.shape[1])
+        if pos_mask is not None:  # a padding mask: 1 for a token, 0 for padding
+            mask = mask & (pos_mask[0][None, :] > 0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def test_relative_position_mask_is_causal():
     gm = capture(PositionMask(absolute=False), **model_kwargs()).fresh()
     (site,) = find_attention.run(gm).sites
-    assert site.mask.startswith("mask proven causal")
+    assert site.mask_text.startswith("mask proven causal")
 
 
 def test_mask_causal_only_from_position_zero_is_refused():
@@ -114,6 +117,15 @@ def test_mask_causal_only_from_position_zero_is_refused():
 def test_mask_reading_another_size_is_refused():
     gm = capture(PositionMask(absolute=False), extra=torch.zeros(1, 9), **model_kwargs()).fresh()
     with pytest.raises(LoweringError, match="depends on the size .* which is not the token count"):
+        find_attention.run(gm)
+
+
+def test_an_integer_input_named_like_positions_is_an_input():
+    """Only the ``position_ids`` argument is evaluated as positions: a padding mask named
+    ``pos_mask`` is an input like any other, and the mask that reads it is refused."""
+    pos_mask = torch.ones(1, 6, dtype=torch.int64)
+    gm = capture(PositionMask(absolute=False), pos_mask=pos_mask, **model_kwargs()).fresh()
+    with pytest.raises(LoweringError, match="its mask depends on graph input 'l_pos_mask_'"):
         find_attention.run(gm)
 
 
@@ -129,7 +141,7 @@ def test_constant_buffers_read_through_get_attr_need_no_example_inputs(nanogpt):
             attr.meta = dict(node.meta)
             node.replace_all_uses_with(attr)
     analysis = find_attention.run(gm)
-    assert [s.mask for s in analysis.sites] == ["mask proven causal at 5 token counts up to 32"] * 2
+    assert [s.mask for s in analysis.sites] == [(MaskProof(sliding_window=None, token_counts=5, max_tokens=32),)] * 2
 
 
 @pytest.mark.parametrize(("table", "causal"), [

@@ -12,6 +12,8 @@ import transformers
 
 from kvgraph.errors import LoweringError
 from kvgraph.passes import find_attention, lower
+from kvgraph.passes.find_attention import AttentionKind, KnownWindows, WindowOrigin, WindowTaken
+from kvgraph.passes.patterns import KVRepeat
 from tests.nanogpt_model import NanoGPT
 from tests.passes.lowering_helpers import (
     VOCAB,
@@ -72,12 +74,12 @@ def explicit_where_div(q, k, v):
 
 
 LOWERED = {
-    sdpa_is_causal: ("expand+reshape", None),
-    sdpa_enable_gqa: ("enable_gqa", None),
-    sdpa_interleave_scale: ("repeat_interleave", 0.3),
-    sdpa_bool_mask: ("expand+reshape", None),
-    sdpa_float_mask: ("expand+reshape", None),
-    explicit_where_div: ("expand+reshape", 1 / math.sqrt(8)),
+    sdpa_is_causal: (KVRepeat.EXPAND_RESHAPE, None),
+    sdpa_enable_gqa: (KVRepeat.ENABLE_GQA, None),
+    sdpa_interleave_scale: (KVRepeat.REPEAT_INTERLEAVE, 0.3),
+    sdpa_bool_mask: (KVRepeat.EXPAND_RESHAPE, None),
+    sdpa_float_mask: (KVRepeat.EXPAND_RESHAPE, None),
+    explicit_where_div: (KVRepeat.EXPAND_RESHAPE, 1 / math.sqrt(8)),
 }
 
 
@@ -98,9 +100,9 @@ def test_recognised_forms_lower_and_match_eager(attn):
 
 def test_nanogpt_buffer_mask_is_proven_on_the_whole_buffer(nanogpt):
     analysis = find_attention.run(nanogpt.fresh(), nanogpt.example_inputs)
-    assert [s.kind for s in analysis.sites] == ["explicit", "explicit"]
+    assert [s.kind for s in analysis.sites] == [AttentionKind.EXPLICIT] * 2
     assert all(s.scale == pytest.approx(1 / math.sqrt(8)) for s in analysis.sites)
-    assert "up to 32" in analysis.sites[0].mask  # the 32 x 32 causal buffer, checked at T = 32
+    assert analysis.sites[0].mask[0].max_tokens == 32  # the 32 x 32 causal buffer, checked at T = 32
 
 
 def test_buffer_mask_without_its_value_is_refused(nanogpt):
@@ -273,7 +275,7 @@ def test_hf_sliding_window_lowers_with_the_models_width(window):
     cap = capture(model, **hf_kwargs())
     result = lower(cap.fresh())
     assert [s.sliding_window for s in result.sites] == [window]
-    assert result.sites[0].mask.endswith(f"up to {max(window + 1, 8)}")
+    assert result.sites[0].mask[0].max_tokens == max(window + 1, 8)
     steps_against_eager(cap, result, [[[3, 5, 7, 11, 2, 9], [13, 17]], [[19], [23, 29, 31]], [[41], [47]]])
 
 
@@ -282,7 +284,7 @@ def test_static_capture_lowers_for_its_token_count():
     cap = capture(model, dynamic=False, **model_kwargs(7))
     gm = cap.fresh()
     result = lower(gm)
-    assert result.sites[0].mask == "mask proven causal at 1 token counts up to 7"
+    assert result.sites[0].mask_text == "mask proven causal at 1 token counts up to 7"
     seqs = [[1, 2, 3, 4], [5, 6, 7]]
     logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
     for b, s in enumerate(seqs):
@@ -316,6 +318,23 @@ def test_static_capture_of_a_banded_buffer_is_refused():
     steps_against_eager(dynamic, result, [[list(range(1, 13)), [5, 6]], [[13], [7, 8, 9, 10, 11, 12, 13, 14, 15]]])
 
 
+def shown_windows(*sizes: int | None) -> KnownWindows:
+    return KnownWindows(sizes=sizes, origin=WindowOrigin.SEVERAL_TOKENS)
+
+
+def test_a_dynamic_graph_must_show_the_windows_given_for_it():
+    """Windows known up front (a config) are checked wherever a graph can show them."""
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, attn_implementation="sdpa")).eval()
+    several = capture(model, **hf_kwargs())
+    config = KnownWindows(sizes=(3,), origin=WindowOrigin.CONFIG)
+    assert [s.sliding_window for s in lower(several.fresh(), windows=config).sites] == [3]
+    with pytest.raises(LoweringError, match="at every token count its mask is a sliding window of 3 tokens, "
+                                            "but in the model's config a window of 4"):
+        lower(several.fresh(), windows=KnownWindows(sizes=(4,), origin=WindowOrigin.CONFIG))
+
+
 def test_fixed_size_graph_takes_the_windows_of_the_models_dynamic_graph():
     """Dynamo captures T == 1 as a graph of its own: one token shows no window, so its sites take
     the windows the several-token graph proved, and refuse without them."""
@@ -325,11 +344,12 @@ def test_fixed_size_graph_takes_the_windows_of_the_models_dynamic_graph():
     one = capture(model, dynamic=False, **hf_kwargs(1))
     with pytest.raises(LoweringError, match=r"exactly 1 tokens, but its mask uses the size 3 \(a sliding window\?\)"):
         lower(one.fresh())
-    result = lower(one.fresh(), windows=[3, 3])
+    result = lower(one.fresh(), windows=shown_windows(3, 3))
     assert [s.sliding_window for s in result.sites] == [3, 3]
-    assert result.sites[0].mask.endswith("sliding window of 3 tokens from the model's graph of several tokens")
+    assert result.sites[0].mask[-1] == WindowTaken(window=3, origin=WindowOrigin.SEVERAL_TOKENS)
+    assert result.sites[0].mask_text.endswith("sliding window of 3 tokens from the model's graph of several tokens")
     with pytest.raises(LoweringError, match="the graph has 2 attention sites, but the model's graph of several"):
-        lower(one.fresh(), windows=[3])
+        lower(one.fresh(), windows=shown_windows(3))
     # decode steps over a cache filled by the several-token graph
     several = capture(model, **hf_kwargs())
     prefill = lower(several.fresh())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from kvgraph.passes.graph_view import (
     GraphView,
@@ -12,6 +13,7 @@ from kvgraph.passes.graph_view import (
     is_shape_read,
     placeholder_kind,
 )
+from tests.passes.lowering_helpers import capture, model_kwargs
 
 
 def mask_of(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +65,24 @@ def test_placeholder_kinds_of_a_dynamo_graph(llama_sdpa):
     assert kinds["l_self_modules_lm_head_parameters_weight_"] == "constant"
     assert kinds["l_self_modules_model_modules_layers_modules_0_modules_self_attn_scaling"] == "constant"
     assert kinds["l_self_modules_model_modules_rotary_emb_buffers_inv_freq_"] == "constant"
+
+
+def test_placeholder_kinds_come_from_dynamo_sources_not_names():
+    """Module state reached through a closure (no ``l_self_`` in its name) is a constant, a closure
+    tensor too; an integer argument named like positions is an input; ``position_ids`` is the positions."""
+    module = nn.Linear(4, 4)
+    module.register_buffer("table", torch.ones(8, 8).tril())
+    offset = torch.ones(4)
+
+    def forward(input_ids, position_ids, pos_mask):
+        x = module(torch.ones(1, input_ids.shape[1], 4)) + offset
+        return x * module.table[position_ids].sum() + pos_mask.sum() + input_ids.sum()
+
+    gm = capture(forward, pos_mask=torch.ones(1, 6, dtype=torch.int64), **model_kwargs()).gm
+    kinds = {n.name: placeholder_kind(n) for n in gm.graph.find_nodes(op="placeholder")}
+    assert kinds["l_pos_mask_"] == kinds["l_input_ids_"] == "input"
+    assert kinds["l_position_ids_"] == "position"
+    assert kinds["l_module_buffers_table_"] == kinds["l_module_parameters_weight_"] == kinds["l_offset_"] == "constant"
 
 
 def test_input_sources_follow_values_not_constants(llama_sdpa):

@@ -42,7 +42,8 @@ def expand_outer(k):
 
 
 @pytest.mark.parametrize(("fn", "how"), [
-    (hf_repeat, "expand+reshape"), (unsqueeze_flatten, "expand+reshape"), (interleave, "repeat_interleave"),
+    (hf_repeat, P.KVRepeat.EXPAND_RESHAPE), (unsqueeze_flatten, P.KVRepeat.EXPAND_RESHAPE),
+    (interleave, P.KVRepeat.REPEAT_INTERLEAVE),
     (tiled, None), (expand_outer, None),
 ], ids=lambda x: getattr(x, "__name__", str(x)))
 def test_unrepeat_kv_only_undoes_grouped_repeats(fn, how):

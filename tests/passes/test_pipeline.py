@@ -10,6 +10,7 @@ import torch
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.errors import InvalidParamsError, LoweringError
 from kvgraph.passes import lower
+from kvgraph.passes.patterns import KVRepeat
 from kvgraph.passes.pipeline import PASSES, LoweringPipeline
 from tests.passes.lowering_helpers import (
     VOCAB,
@@ -122,7 +123,7 @@ def test_params_inferred_from_llama_gqa(llama_sdpa):
         dtype=torch.float32, n_kv_heads=2, head_dim=16, num_layers=2, page_size=None,
         cache_strategy=KVCacheStrategy.CONTINUOUS, device="cpu",
     )
-    assert [s.repeat for s in result.sites] == ["expand+reshape"] * 2
+    assert [s.repeat for s in result.sites] == [KVRepeat.EXPAND_RESHAPE] * 2
     assert [s.n_heads for s in result.sites] == [4, 4]
 
 

@@ -5,6 +5,7 @@ floor (``kvgraph.entrypoints.cli.floor``) says how close kvgraph comes to its mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -189,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": args.model, "workload": workload.name, "requests": len(workload.prompts),
         "max_new_tokens": workload.max_new_tokens, "device": str(llm.device), "dtype": str(llm.params.dtype),
-        "torch_threads": torch.get_num_threads(), "cache": args.cache, "results": rows,
+        "torch_threads": torch.get_num_threads(), "cache": args.cache,
+        "results": [dataclasses.asdict(r) for r in rows],
         "kvgraph_vs_floor": vs_floor, "compute": compute, "agreement": agree, "notes": notes, "kvgraph_stats": llm.stats(),
     }
     if args.json_out is not None:

@@ -3,15 +3,41 @@ and a PNG chart."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvgraph.entrypoints.cli.baselines import SystemResult
 from kvgraph.entrypoints.cli.floor import FLOOR_SYSTEM
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 99)  # the ttft_p*_ms and itl_p*_ms fields of SystemSummary
 FLOOR_LABEL = "matmul floor\n(linear layers only)"
 SPEEDUP_LEGEND = "speed-up vs system: kvgraph's tokens/s / the system's (above 1x: kvgraph is faster)"
 KV_SERIES = {"peak held": "kv_peak_bytes", "allocated": "kv_allocated_bytes"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SystemSummary:
+    """One system's row of ``kvgraph bench``; ``dataclasses.asdict`` is its JSON ``results`` entry.
+
+    Latencies are in ms and ``None`` where nothing was measured (the matmul floor generates
+    nothing); ``speedup_vs_system`` is kvgraph's tokens/s over this system's.
+    """
+
+    system: str
+    requests: int
+    new_tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    speedup_vs_system: float | None
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p90_ms: float | None
+    itl_p99_ms: float | None
+    kv_allocated_bytes: int | None
+    kv_peak_bytes: int | None
+    kv_waste: float | None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -25,56 +51,45 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(result: SystemResult, reference: SystemResult | None = None) -> dict:
+def summarize(result: SystemResult, reference: SystemResult | None = None) -> SystemSummary:
     """Throughput, kvgraph's speed-up over it, TTFT and inter-token latency percentiles (ms), KV memory.
 
     ``reference`` is kvgraph's result: ``speedup_vs_system`` is its tokens/s over this system's.
     """
-    return {
-        **_throughput(result.name, len(result.outputs), result.new_tokens, result.elapsed_s, reference),
-        **_latencies(result.ttft_s, result.itl_s),
-        "kv_allocated_bytes": result.kv_allocated_bytes,
-        "kv_peak_bytes": result.kv_peak_bytes,
-        "kv_waste": result.kv_waste,
-    }
+    return _summary(
+        result.name, len(result.outputs), result.new_tokens, result.elapsed_s, reference, result.ttft_s,
+        result.itl_s, kv_allocated_bytes=result.kv_allocated_bytes, kv_peak_bytes=result.kv_peak_bytes,
+        kv_waste=result.kv_waste,
+    )
 
 
-def summarize_floor(elapsed_s: float, reference: SystemResult) -> dict:
+def summarize_floor(elapsed_s: float, reference: SystemResult) -> SystemSummary:
     """The matmul floor's row: ``reference``'s (kvgraph's) requests and new tokens over ``elapsed_s``;
     it generates nothing, so it has no latency or KV figures."""
-    return {
-        **_throughput(FLOOR_SYSTEM, len(reference.outputs), reference.new_tokens, elapsed_s, reference),
-        **_latencies([], []),
-        "kv_allocated_bytes": None,
-        "kv_peak_bytes": None,
-        "kv_waste": None,
-    }
+    return _summary(
+        FLOOR_SYSTEM, len(reference.outputs), reference.new_tokens, elapsed_s, reference, [], [],
+        kv_allocated_bytes=None, kv_peak_bytes=None, kv_waste=None,
+    )
 
 
-def _throughput(
-    system: str, requests: int, new_tokens: int, elapsed_s: float, reference: SystemResult | None
-) -> dict:
+def _summary(
+    system: str, requests: int, new_tokens: int, elapsed_s: float, reference: SystemResult | None,
+    ttft_s: list[float], itl_s: list[float], **kv: float | None,
+) -> SystemSummary:
     tokens_per_s = new_tokens / elapsed_s if elapsed_s > 0 else 0.0
-    return {
-        "system": system,
-        "requests": requests,
-        "new_tokens": new_tokens,
-        "elapsed_s": elapsed_s,
-        "tokens_per_s": tokens_per_s,
-        "speedup_vs_system": (
+
+    def ms(values: list[float], q: int) -> float | None:
+        p = percentile(values, q)
+        return None if p is None else p * 1e3
+
+    return SystemSummary(
+        system=system, requests=requests, new_tokens=new_tokens, elapsed_s=elapsed_s, tokens_per_s=tokens_per_s,
+        speedup_vs_system=(
             reference.tokens_per_s / tokens_per_s if reference is not None and tokens_per_s > 0 else None
         ),
-    }
-
-
-def _latencies(ttft_s: list[float], itl_s: list[float]) -> dict:
-    """TTFT and inter-token latency percentiles in ms (``None`` where nothing was measured)."""
-    out = {}
-    for label, values in (("ttft", ttft_s), ("itl", itl_s)):
-        for q in PERCENTILES:
-            p = percentile(values, q)
-            out[f"{label}_p{q}_ms"] = None if p is None else p * 1e3
-    return out
+        ttft_p50_ms=ms(ttft_s, 50), ttft_p90_ms=ms(ttft_s, 90), ttft_p99_ms=ms(ttft_s, 99),
+        itl_p50_ms=ms(itl_s, 50), itl_p90_ms=ms(itl_s, 90), itl_p99_ms=ms(itl_s, 99), **kv,
+    )
 
 
 def ttft_note(result: SystemResult) -> str | None:
@@ -87,11 +102,12 @@ def ttft_note(result: SystemResult) -> str | None:
             "first token at the same moment")
 
 
-def kv_memory_mib(rows: list[dict]) -> dict[str, list[float | None]]:
+def kv_memory_mib(rows: list[SystemSummary]) -> dict[str, list[float | None]]:
     """Per KV figure (peak held, allocated), each row's value in MiB (``None``: not measured), so
     that a chart sets peak against peak and allocation against allocation."""
     return {
-        label: [None if r[key] is None else r[key] / 2**20 for r in rows] for label, key in KV_SERIES.items()
+        label: [None if getattr(r, key) is None else getattr(r, key) / 2**20 for r in rows]
+        for label, key in KV_SERIES.items()
     }
 
 
@@ -108,7 +124,7 @@ def agreement(reference: SystemResult, other: SystemResult) -> dict:
     return {"system": other.name, "identical": same, "requests": len(reference.outputs), "first_mismatch": first}
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[SystemSummary]) -> str:
     """The summaries as an aligned text table."""
     cols = [
         ("system", "system", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
@@ -120,8 +136,8 @@ def format_table(rows: list[dict]) -> str:
         ("kv waste", "kv_waste", "{:.1%}"),
     ]
 
-    def cell(row: dict, key: str, fmt: str) -> str:
-        v = row.get(key)
+    def cell(row: SystemSummary, key: str, fmt: str) -> str:
+        v = getattr(row, key)
         if v is None:
             return "n/a"
         return fmt.format(v / 2**20 if key.endswith("_bytes") else v)
@@ -131,7 +147,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in table)
 
 
-def plot(rows: list[dict], title: str, path: Path) -> Path:
+def plot(rows: list[SystemSummary], title: str, path: Path) -> Path:
     """A 2x2 PNG: throughput (with the matmul floor's bar, when there is one), TTFT, inter-token latency
     percentiles and KV memory per system."""
     import matplotlib
@@ -139,13 +155,13 @@ def plot(rows: list[dict], title: str, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [r for r in rows if r["system"] != FLOOR_SYSTEM]
-    names = [r["system"] for r in systems]
+    systems = [r for r in rows if r.system != FLOOR_SYSTEM]
+    names = [r.system for r in systems]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    throughput = [r["tokens_per_s"] for r in rows]
+    throughput = [r.tokens_per_s for r in rows]
     axes[0][0].bar(
-        [FLOOR_LABEL if r["system"] == FLOOR_SYSTEM else r["system"] for r in rows], throughput,
-        color=["tab:gray" if r["system"] == FLOOR_SYSTEM else "tab:blue" for r in rows],
+        [FLOOR_LABEL if r.system == FLOOR_SYSTEM else r.system for r in rows], throughput,
+        color=["tab:gray" if r.system == FLOOR_SYSTEM else "tab:blue" for r in rows],
     )
     wide = min(throughput) > 0 and max(throughput) > 100 * min(throughput)  # a tiny model's floor
     if wide:
@@ -155,7 +171,7 @@ def plot(rows: list[dict], title: str, path: Path) -> Path:
         width = 0.8 / len(PERCENTILES)
         for k, q in enumerate(PERCENTILES):
             xs = [i + (k - 1) * width for i in range(len(systems))]
-            ax.bar(xs, [r[f"{label}_p{q}_ms"] or 0.0 for r in systems], width, label=f"p{q}")
+            ax.bar(xs, [getattr(r, f"{label}_p{q}_ms") or 0.0 for r in systems], width, label=f"p{q}")
         ax.set_xticks(range(len(systems)), names)
         ax.set_title(f"{'time to first token' if label == 'ttft' else 'inter-token latency'} (ms)")
         ax.legend()

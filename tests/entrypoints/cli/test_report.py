@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from kvgraph.entrypoints.cli.baselines import SystemResult
@@ -23,9 +25,9 @@ def test_summary_ratio_and_agreement():
     ref = SystemResult("kvgraph", [[1, 2, 3], [4, 5, 6]], 1.0, [0.1, 0.2], [0.01] * 4, 100, 50, 0.1)
     other = SystemResult("hf-generate", [[1, 2, 3], [4, 9, 6]], 2.0, [0.3, 0.3], [0.02] * 4)
     row = summarize(other, ref)
-    assert row["tokens_per_s"] == 3.0 and row["speedup_vs_system"] == 2.0
-    assert row["ttft_p50_ms"] == pytest.approx(300.0) and row["itl_p99_ms"] == pytest.approx(20.0)
-    assert row["kv_peak_bytes"] is None
+    assert row.tokens_per_s == 3.0 and row.speedup_vs_system == 2.0
+    assert row.ttft_p50_ms == pytest.approx(300.0) and row.itl_p99_ms == pytest.approx(20.0)
+    assert row.kv_peak_bytes is None
     assert agreement(ref, other) == {
         "system": "hf-generate", "identical": 1, "requests": 2, "first_mismatch": {"request": 1, "token": 1},
     }
@@ -37,11 +39,10 @@ def test_summary_ratio_and_agreement():
 def test_floor_row_counts_kvgraphs_tokens_and_has_no_latency_or_kv_figures():
     ref = SystemResult("kvgraph", [[1, 2, 3], [4, 5, 6]], 3.0, [0.1, 0.2], [0.01] * 4, 100, 50, 0.1)
     row = summarize_floor(0.5, ref)
-    assert row["system"] == "matmul-floor" and row.keys() == summarize(ref, ref).keys()
-    assert row["requests"] == 2 and row["new_tokens"] == 6 and row["tokens_per_s"] == 12.0
-    assert row["speedup_vs_system"] == pytest.approx(0.5 / 3.0)
-    figures = [k for k in row if k.startswith(("ttft", "itl", "kv_"))]
-    assert len(figures) == 9 and all(row[k] is None for k in figures)
+    assert row.system == "matmul-floor" and row.requests == 2 and row.new_tokens == 6 and row.tokens_per_s == 12.0
+    assert row.speedup_vs_system == pytest.approx(0.5 / 3.0)
+    figures = {k: v for k, v in dataclasses.asdict(row).items() if k.startswith(("ttft", "itl", "kv_"))}
+    assert list(figures.values()) == [None] * 9
     header, kvgraph, floor = format_table([summarize(ref, ref), row]).splitlines()
     assert "  speed-up vs system  " in header and "kvgraph speed-up" not in header
     assert kvgraph.split()[:3] == ["kvgraph", "2.0", "1.00x"]
