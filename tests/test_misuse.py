@@ -22,10 +22,12 @@ from kvgraph.errors import (
     BatchSizeError,
     BatchTypeError,
     BindingError,
+    ConfigError,
     DuplicateSequenceError,
     InvalidParamsError,
     NoFreeSlotsError,
     OutOfPagesError,
+    RequestError,
     SequenceLengthError,
     StepError,
     UnknownSequenceError,
@@ -180,7 +182,7 @@ def test_broken_checkpoint_directories_are_refused_by_name(case, checkpoint, tmp
     change, message = CHECKPOINT_MISUSES[case]
     path = _checkpoint_with(checkpoint, tmp_path, change)
     before = snapshot(llm.manager)
-    with pytest.raises(InvalidParamsError, match=message) as info:
+    with pytest.raises(ConfigError, match=message) as info:
         LLM(path, compile="eager")
     assert path in str(info.value)
     assert_same_state(before, snapshot(llm.manager))
@@ -208,40 +210,40 @@ def test_constructor_misuse_raises_before_loading_or_compiling(case, llama, llm,
     kwargs = {"model": llama[0], "compile": "eager", **changes}
     monkeypatch.setattr(KVGraphBackend, "__call__", lambda *a: pytest.fail("compiled a graph"))
     before = snapshot(llm.manager)
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         LLM(kwargs.pop("model"), **kwargs)
     assert_same_state(before, snapshot(llm.manager))
 
 
 REQUEST_MISUSES = {
-    "generate: an empty prompt": (InvalidParamsError, "prompt is empty", lambda llm: llm.generate([[]])),
-    "generate: an empty string": (InvalidParamsError, "prompt is empty", lambda llm: llm.generate("")),
-    "generate: an id outside the vocabulary": (InvalidParamsError, r"prompt token 259 is not an id in \[0, 259\)",
+    "generate: an empty prompt": (RequestError, "prompt is empty", lambda llm: llm.generate([[]])),
+    "generate: an empty string": (RequestError, "prompt is empty", lambda llm: llm.generate("")),
+    "generate: an id outside the vocabulary": (RequestError, r"prompt token 259 is not an id in \[0, 259\)",
                                                lambda llm: llm.generate([[3, 259]])),
-    "generate: a negative id": (InvalidParamsError, r"prompt token -1 is not an id in \[0, 259\)",
+    "generate: a negative id": (RequestError, r"prompt token -1 is not an id in \[0, 259\)",
                                 lambda llm: llm.generate([[-1]])),
-    "generate: a float id": (InvalidParamsError, r"prompt token 1.5 is not an id", lambda llm: llm.generate([[1.5]])),
+    "generate: a float id": (RequestError, r"prompt token 1.5 is not an id", lambda llm: llm.generate([[1.5]])),
     "generate: a prompt over max_seq_len": (SequenceLengthError, "prompt of 33 tokens is longer than max_seq_len=32",
                                             lambda llm: llm.generate([[5] * 33])),
     "generate: a request larger than the page pool": (
         OutOfPagesError, "needs 8 pages; the pool has 6 pages of 4 tokens",
         lambda llm: llm.generate([[5] * 20], SamplingParams(max_new_tokens=10))),
-    "generate: sampling as a dict": (InvalidParamsError, "sampling must be a SamplingParams or a list of them, got dict",
+    "generate: sampling as a dict": (RequestError, "sampling must be a SamplingParams or a list of them, got dict",
                                      lambda llm: llm.generate([[5]], {"max_new_tokens": 3})),
     "generate: more SamplingParams than prompts": (
-        InvalidParamsError, "got 2 SamplingParams for 1 prompts",
+        RequestError, "got 2 SamplingParams for 1 prompts",
         lambda llm: llm.generate([[5]], [SamplingParams(), SamplingParams()])),
-    "generate: None as the prompts": (InvalidParamsError, "prompts must be a string, .* got NoneType",
+    "generate: None as the prompts": (RequestError, "prompts must be a string, .* got NoneType",
                                       lambda llm: llm.generate(None)),
     "generate: a stop token outside the vocabulary": (
-        InvalidParamsError, r"stop token 300 is not an id in \[0, 259\)",
+        RequestError, r"stop token 300 is not an id in \[0, 259\)",
         lambda llm: llm.generate([[5]], SamplingParams(stop_token_ids=(300,)))),
-    "sampling: zero new tokens": (InvalidParamsError, "max_new_tokens must be an int >= 1, got 0",
+    "sampling: zero new tokens": (ConfigError, "max_new_tokens must be an int >= 1, got 0",
                                   lambda llm: SamplingParams(max_new_tokens=0)),
-    "sampling: top_p above 1": (InvalidParamsError, r"top_p must be in \(0, 1\], got 2",
+    "sampling: top_p above 1": (ConfigError, r"top_p must be in \(0, 1\], got 2",
                                 lambda llm: SamplingParams(top_p=2)),
-    "abort: an unknown request": (InvalidParamsError, "unknown request id 99", lambda llm: llm.abort(99)),
-    "completion: an unknown request": (InvalidParamsError, "unknown request id 99", lambda llm: llm.completion(99)),
+    "abort: an unknown request": (RequestError, "unknown request id 99", lambda llm: llm.abort(99)),
+    "completion: an unknown request": (RequestError, "unknown request id 99", lambda llm: llm.completion(99)),
     "compiled model: called without kvgraph.bind": (
         BindingError, "without bound KV cache inputs",
         lambda llm: llm.compiled(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[0]]))),

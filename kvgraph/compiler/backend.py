@@ -53,7 +53,7 @@ from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.compiler.hf import refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
-from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
+from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
 
 if TYPE_CHECKING:
     from kvgraph.passes.pipeline import LoweringResult
@@ -92,12 +92,12 @@ class BackendOptions:
         if isinstance(self.inner, str):
             known = torch._dynamo.list_backends(exclude_tags=())
             if self.inner not in known or self.inner == "kvgraph":
-                raise InvalidParamsError(
+                raise ConfigError(
                     f"inner compiler {self.inner!r} is not a Dynamo backend other than kvgraph "
                     f"(see torch._dynamo.list_backends()), e.g. 'inductor' or 'eager'"
                 )
         elif not callable(self.inner):
-            raise InvalidParamsError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
+            raise ConfigError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
 
 
 @dataclass
@@ -248,7 +248,7 @@ def kvgraph_backend(
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
+        raise ConfigError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
     return KVGraphBackend(BackendOptions(**options), _model_windows(example_inputs))(gm, example_inputs)
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvgraph.errors import CppKernelError
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
@@ -35,10 +37,6 @@ CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
-
-
-class CppKernelError(RuntimeError):
-    """The C++ CPU kernel was asked for (``KVGRAPH_CPU_ATTENTION=cpp``) but cannot be built or loaded."""
 
 
 _lock = threading.Lock()

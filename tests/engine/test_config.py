@@ -7,7 +7,7 @@ import torch
 
 from kvgraph.cache.params import KVCacheStrategy
 from kvgraph.engine.config import EngineConfig
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 
 def test_defaults_are_normalised():
@@ -29,7 +29,7 @@ def test_defaults_are_normalised():
     ({"page_size": 0, "compile": "tvm"}, "page_size must be a positive int"),  # sizes are checked first
 ])
 def test_a_field_out_of_range_is_named(fields, message):
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         EngineConfig(**fields)
 
 
@@ -39,5 +39,5 @@ def test_frozen_and_replace_checks_again():
         config.page_size = 8
     assert config.kv_cache_memory_per_rank == 333
     assert dataclasses.replace(config, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
-    with pytest.raises(InvalidParamsError, match="num_steps must be a positive int, got -1"):
+    with pytest.raises(ConfigError, match="num_steps must be a positive int, got -1"):
         dataclasses.replace(config, num_steps=-1)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvgraph.engine.sampling import SamplingParams, filter_logits, sample
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 
 def _logits(rows: int = 3, vocab: int = 97, seed: int = 0) -> torch.Tensor:
@@ -74,10 +74,10 @@ def test_sampling_follows_the_distribution():
     ],
 )
 def test_bad_sampling_params_raise_with_the_value(kwargs, message):
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         SamplingParams(**kwargs)
 
 
 def test_sample_checks_row_counts():
-    with pytest.raises(InvalidParamsError, match="2 logit rows, 1 params"):
+    with pytest.raises(ConfigError, match="2 logit rows, 1 params"):
         sample(_logits(2), [SamplingParams()], [None])
