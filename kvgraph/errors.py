@@ -127,12 +127,13 @@ class MissingExtraError(KVGraphError, ImportError):
     """A feature needs an optional dependency group (an extra) that is not installed."""
 
 
-def require_extra(module: str, extra: str, feature: str) -> None:
-    """Import ``module``; :class:`MissingExtraError` naming ``extra`` if it is not installed."""
+def require_extra(extra: str, feature: str, *modules: str) -> None:
+    """Import ``modules``; :class:`MissingExtraError` naming ``extra`` if one is not installed."""
     import importlib
 
     try:
-        importlib.import_module(module)
+        for module in modules:
+            importlib.import_module(module)
     except ImportError:
         raise MissingExtraError(
             f"{feature} needs the {extra!r} extra: pip install 'kvgraph[{extra}]'"

@@ -1,5 +1,6 @@
 """Building and choosing the C++ CPU kernel: KVGRAPH_CPU_ATTENTION, clear errors, the fallback."""
 
+import os
 import subprocess
 import sys
 
@@ -29,7 +30,7 @@ def test_sdpa_choice_never_builds(monkeypatch, fresh_state):
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpp.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cpp, "_put_pip_ninja_on_path", lambda: False)
+    monkeypatch.setattr(cpp, "_pip_ninja_dir", lambda: None)
     with pytest.raises(cpp.CppKernelError, match=r"c\+\+ and ninja not found on PATH \(install a C\+\+ compiler"):
         cpp.build()
 
@@ -76,3 +77,10 @@ def test_the_op_serves_cpu_tensors_with_the_chosen_path(choice):
     env = {**__import__("os").environ, cpp.ENV: choice}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == choice
+
+
+def test_the_pip_ninja_is_on_path_for_the_build_only(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with cpp._path_with("/venv/bin"):
+        assert os.environ["PATH"].split(os.pathsep) == ["/venv/bin", "/usr/bin"]
+    assert os.environ["PATH"] == "/usr/bin"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvgraph.entrypoints.cli.baselines import SystemResult
 from kvgraph.entrypoints.cli.floor import FLOOR_SYSTEM
+from kvgraph.errors import require_extra
 
 PERCENTILES = (50, 90, 99)
 FLOOR_LABEL = "matmul floor\n(linear layers only)"
@@ -134,6 +135,7 @@ def format_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], title: str, path: Path) -> Path:
     """A 2x2 PNG: throughput (with the matmul floor's bar, when there is one), TTFT, inter-token latency
     percentiles and KV memory per system."""
+    require_extra("viz", "kvgraph bench --plot", "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
