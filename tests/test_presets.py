@@ -77,7 +77,7 @@ def test_byte_tokenizer_round_trips_any_text():
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ConfigError, match="unknown preset 'llama-huge'; expected one of llama-tiny"):
+    with pytest.raises(ConfigError, match="'llama-huge'.*llama-tiny"):
         load_preset("llama-huge")
 
 

@@ -36,7 +36,7 @@ def test_plan_splits_attention_and_mlp_of_llama():
 
 
 def test_size_that_does_not_divide_the_heads_fails_before_any_process_starts():
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide the model.s 4 query heads"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3\b.*\b4 query heads"):
         kvgraph.LLM(load_preset("llama-tiny")[0], tensor_parallel_size=3,
                     compile="eager", max_batch_size=2, max_seq_len=32)
     assert not torch.distributed.is_initialized()
@@ -44,7 +44,7 @@ def test_size_that_does_not_divide_the_heads_fails_before_any_process_starts():
 
 def test_kv_heads_that_do_not_split_are_named():
     model, _ = load_preset("llama-tiny")  # 4 query / 2 KV heads
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the model's 2 KV heads"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4\b.*\b2 KV heads"):
         ShardingPlan.of(model, 4, _params(model))
 
 
@@ -102,5 +102,5 @@ def test_other_fused_projections_are_refused_by_name():
 
 
 def test_tensor_parallel_size_must_be_positive():
-    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive int, got 0"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size.*\b0\b"):
         kvgraph.LLM(load_preset("llama-tiny")[0], tensor_parallel_size=0)
