@@ -145,9 +145,9 @@ def test_stats_report_the_documented_figures(llm):
 
 def test_bad_constructor_arguments_raise_before_compiling(llama):
     model, _ = llama
-    with pytest.raises(ConfigError, match="max_batch_tokens must be a positive int, got 0"):
+    with pytest.raises(ConfigError, match=r"max_batch_tokens.*positive.*\b0\b"):
         LLM(model, max_batch_tokens=0)
-    with pytest.raises(ConfigError, match="compile must be one of inductor, eager, got 'tvm'"):
+    with pytest.raises(ConfigError, match=r"compile.*'tvm'"):
         LLM(model, compile="tvm")
     with pytest.raises(ConfigError, match="checkpoint directory '/no/such/dir' does not exist"):
         LLM("/no/such/dir")
