@@ -12,9 +12,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "kvgraph.errors": [
-        "KVCacheError", "InvalidParamsError", "UnknownSequenceError", "DuplicateSequenceError",
+        "KVGraphError", "ConfigError", "KVCacheError", "InvalidParamsError", "UnknownSequenceError", "DuplicateSequenceError",
         "NoFreeSlotsError", "BatchSizeError", "BatchTypeError", "SequenceLengthError", "CacheInputError",
         "StepError", "OutOfPagesError", "BindingError", "LoweringError", "WindowNotShownError", "RankFailedError",
+        "CppKernelError", "EngineFailure", "WarmCacheError", "MissingExtraError",
     ],
     "kvgraph.cache.params": ["KVCacheParams", "KVCacheStrategy"],
     "kvgraph.cache.symbols": [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
@@ -102,7 +102,7 @@ def load_preset(
     """The preset's model (eval mode, weights seeded by ``seed``) and the byte-level tokenizer."""
     preset = PRESETS.get(name)
     if preset is None:
-        raise InvalidParamsError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
     from transformers import AutoModelForCausalLM
 
     config = preset.config()

@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 FIRST_TOKEN = 3  # below are <pad>, <s>, </s> in the presets' vocabulary
 
@@ -81,12 +81,12 @@ def make_workload(
     """
     spec = WORKLOADS.get(name)
     if spec is None:
-        raise InvalidParamsError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
+        raise ConfigError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
     for label, value in (("num_requests", num_requests), ("max_new_tokens", max_new_tokens)):
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise InvalidParamsError(f"{label} must be an int >= 1, got {value!r}")
+            raise ConfigError(f"{label} must be an int >= 1, got {value!r}")
     if vocab_size <= FIRST_TOKEN:
-        raise InvalidParamsError(f"vocab_size must exceed {FIRST_TOKEN}, got {vocab_size}")
+        raise ConfigError(f"vocab_size must exceed {FIRST_TOKEN}, got {vocab_size}")
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:

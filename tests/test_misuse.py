@@ -22,10 +22,12 @@ from kvgraph.errors import (
     BatchSizeError,
     BatchTypeError,
     BindingError,
+    ConfigError,
     DuplicateSequenceError,
     InvalidParamsError,
     NoFreeSlotsError,
     OutOfPagesError,
+    RequestError,
     SequenceLengthError,
     StepError,
     UnknownSequenceError,
@@ -68,21 +70,21 @@ def manager():
 
 # -- managers, params and bindings --
 MANAGER_MISUSES = {
-    "params: zero kv heads": (InvalidParamsError, "n_kv_heads must be a positive int, got 0",
+    "params: zero kv heads": (InvalidParamsError, r"n_kv_heads.*positive.*\b0\b",
                               lambda m, a, gone: paged_params(n_kv_heads=0)),
-    "params: dtype given as a string": (InvalidParamsError, "dtype must be a floating torch.dtype, got 'float32'",
+    "params: dtype given as a string": (InvalidParamsError, r"dtype.*'float32'",
                                         lambda m, a, gone: paged_params(dtype="float32")),
-    "params: negative page size": (InvalidParamsError, "page_size must be a positive int, got -4",
+    "params: negative page size": (InvalidParamsError, r"page_size.*positive.*\-4\b",
                                    lambda m, a, gone: paged_params(page_size=-4)),
     "params: unknown device": (InvalidParamsError, "device 'tpu' is not a torch device",
                                lambda m, a, gone: paged_params(device="tpu")),
     "params: unknown strategy": (InvalidParamsError, "unknown cache strategy 'ring'",
                                  lambda m, a, gone: KVCacheParams(torch.float32, 2, 2, 2, cache_strategy="ring")),
-    "manager: negative batch size": (InvalidParamsError, "max_batch_size must be a positive int, got -1",
+    "manager: negative batch size": (InvalidParamsError, r"max_batch_size.*positive.*\-1\b",
                                      lambda m, a, gone: load_kv_manager(m.params, -1, 16)),
-    "manager: max_seq_len as a string": (InvalidParamsError, "max_seq_len must be a positive int, got '16'",
+    "manager: max_seq_len as a string": (InvalidParamsError, r"max_seq_len.*positive.*'16'",
                                          lambda m, a, gone: load_kv_manager(m.params, 2, "16")),
-    "manager: empty page pool": (InvalidParamsError, "num_pages must be a positive int, got 0",
+    "manager: empty page pool": (InvalidParamsError, r"num_pages.*positive.*\b0\b",
                                  lambda m, a, gone: load_kv_manager(m.params, 2, 16, num_pages=0)),
     "claim: negative count": (BatchSizeError, "claim needs a non-negative int count, got -1",
                               lambda m, a, gone: m.claim(-1)),
@@ -109,7 +111,7 @@ MANAGER_MISUSES = {
                                    lambda m, a, gone: m.fetch([KVRequest(gone, [1])])),
     "fetch: a batch over max_batch_size": (BatchSizeError, "batch of 3 sequences; expected 1..max_batch_size=2",
                                            lambda m, a, gone: m.fetch([KVRequest(a, [1])] * 3)),
-    "fetch: zero steps": (InvalidParamsError, "num_steps must be a positive int, got 0",
+    "fetch: zero steps": (InvalidParamsError, r"num_steps.*positive.*\b0\b",
                           lambda m, a, gone: m.fetch([KVRequest(a, [1])], num_steps=0)),
     "step: without a fetch": (StepError, "step of seq 0, which has no pending fetch",
                               lambda m, a, gone: m.step([KVRequest(a, [1])])),
@@ -180,20 +182,20 @@ def test_broken_checkpoint_directories_are_refused_by_name(case, checkpoint, tmp
     change, message = CHECKPOINT_MISUSES[case]
     path = _checkpoint_with(checkpoint, tmp_path, change)
     before = snapshot(llm.manager)
-    with pytest.raises(InvalidParamsError, match=message) as info:
+    with pytest.raises(ConfigError, match=message) as info:
         LLM(path, compile="eager")
     assert path in str(info.value)
     assert_same_state(before, snapshot(llm.manager))
 
 
 CONSTRUCTOR_MISUSES = {
-    "LLM: a number as the model": ({"model": 42}, "model must be an nn.Module, a preset name or a checkpoint directory, got int"),
+    "LLM: a number as the model": ({"model": 42}, r"model.*\bint\b"),
     "LLM: a missing checkpoint directory": ({"model": "/no/such/ckpt"}, "'/no/such/ckpt' does not exist"),
-    "LLM: zero batch size": ({"max_batch_size": 0}, "max_batch_size must be a positive int, got 0"),
-    "LLM: page size as a string": ({"page_size": "16"}, "page_size must be a positive int, got '16'"),
-    "LLM: negative cache memory": ({"kv_cache_memory": -1}, "kv_cache_memory must be a positive int, got -1"),
+    "LLM: zero batch size": ({"max_batch_size": 0}, r"max_batch_size.*positive.*\b0\b"),
+    "LLM: page size as a string": ({"page_size": "16"}, r"page_size.*positive.*'16'"),
+    "LLM: negative cache memory": ({"kv_cache_memory": -1}, r"kv_cache_memory.*positive.*\-1\b"),
     "LLM: cache memory below one page": ({"kv_cache_memory": 100}, "cache_memory=100 bytes holds no page"),
-    "LLM: unknown compile mode": ({"compile": "tvm"}, "compile must be one of inductor, eager, got 'tvm'"),
+    "LLM: unknown compile mode": ({"compile": "tvm"}, r"compile.*'tvm'"),
     "LLM: unknown cache strategy": ({"cache_strategy": "ring"}, "unknown cache strategy 'ring'"),
     "LLM: unknown device": ({"device": "tpu"}, "device 'tpu' is not a torch device"),
     "LLM: dtype as a string": ({"dtype": "float16"}, "dtype must be None or a floating torch.dtype .* got 'float16'"),
@@ -208,40 +210,40 @@ def test_constructor_misuse_raises_before_loading_or_compiling(case, llama, llm,
     kwargs = {"model": llama[0], "compile": "eager", **changes}
     monkeypatch.setattr(KVGraphBackend, "__call__", lambda *a: pytest.fail("compiled a graph"))
     before = snapshot(llm.manager)
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         LLM(kwargs.pop("model"), **kwargs)
     assert_same_state(before, snapshot(llm.manager))
 
 
 REQUEST_MISUSES = {
-    "generate: an empty prompt": (InvalidParamsError, "prompt is empty", lambda llm: llm.generate([[]])),
-    "generate: an empty string": (InvalidParamsError, "prompt is empty", lambda llm: llm.generate("")),
-    "generate: an id outside the vocabulary": (InvalidParamsError, r"prompt token 259 is not an id in \[0, 259\)",
+    "generate: an empty prompt": (RequestError, "prompt is empty", lambda llm: llm.generate([[]])),
+    "generate: an empty string": (RequestError, "prompt is empty", lambda llm: llm.generate("")),
+    "generate: an id outside the vocabulary": (RequestError, r"prompt token 259 is not an id in \[0, 259\)",
                                                lambda llm: llm.generate([[3, 259]])),
-    "generate: a negative id": (InvalidParamsError, r"prompt token -1 is not an id in \[0, 259\)",
+    "generate: a negative id": (RequestError, r"prompt token -1 is not an id in \[0, 259\)",
                                 lambda llm: llm.generate([[-1]])),
-    "generate: a float id": (InvalidParamsError, r"prompt token 1.5 is not an id", lambda llm: llm.generate([[1.5]])),
+    "generate: a float id": (RequestError, r"prompt token 1.5 is not an id", lambda llm: llm.generate([[1.5]])),
     "generate: a prompt over max_seq_len": (SequenceLengthError, "prompt of 33 tokens is longer than max_seq_len=32",
                                             lambda llm: llm.generate([[5] * 33])),
     "generate: a request larger than the page pool": (
         OutOfPagesError, "needs 8 pages; the pool has 6 pages of 4 tokens",
         lambda llm: llm.generate([[5] * 20], SamplingParams(max_new_tokens=10))),
-    "generate: sampling as a dict": (InvalidParamsError, "sampling must be a SamplingParams or a list of them, got dict",
+    "generate: sampling as a dict": (RequestError, r"sampling.*\bdict\b",
                                      lambda llm: llm.generate([[5]], {"max_new_tokens": 3})),
     "generate: more SamplingParams than prompts": (
-        InvalidParamsError, "got 2 SamplingParams for 1 prompts",
+        RequestError, "got 2 SamplingParams for 1 prompts",
         lambda llm: llm.generate([[5]], [SamplingParams(), SamplingParams()])),
-    "generate: None as the prompts": (InvalidParamsError, "prompts must be a string, .* got NoneType",
+    "generate: None as the prompts": (RequestError, "prompts must be a string, .* got NoneType",
                                       lambda llm: llm.generate(None)),
     "generate: a stop token outside the vocabulary": (
-        InvalidParamsError, r"stop token 300 is not an id in \[0, 259\)",
+        RequestError, r"stop token 300 is not an id in \[0, 259\)",
         lambda llm: llm.generate([[5]], SamplingParams(stop_token_ids=(300,)))),
-    "sampling: zero new tokens": (InvalidParamsError, "max_new_tokens must be an int >= 1, got 0",
+    "sampling: zero new tokens": (ConfigError, r"max_new_tokens.*>=\ 1.*\b0\b",
                                   lambda llm: SamplingParams(max_new_tokens=0)),
-    "sampling: top_p above 1": (InvalidParamsError, r"top_p must be in \(0, 1\], got 2",
+    "sampling: top_p above 1": (ConfigError, r"top_p.*\b2\b",
                                 lambda llm: SamplingParams(top_p=2)),
-    "abort: an unknown request": (InvalidParamsError, "unknown request id 99", lambda llm: llm.abort(99)),
-    "completion: an unknown request": (InvalidParamsError, "unknown request id 99", lambda llm: llm.completion(99)),
+    "abort: an unknown request": (RequestError, "unknown request id 99", lambda llm: llm.abort(99)),
+    "completion: an unknown request": (RequestError, "unknown request id 99", lambda llm: llm.completion(99)),
     "compiled model: called without kvgraph.bind": (
         BindingError, "without bound KV cache inputs",
         lambda llm: llm.compiled(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[0]]))),

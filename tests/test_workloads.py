@@ -1,6 +1,6 @@
 import pytest
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 from kvgraph.workloads import FIRST_TOKEN, make_workload, workload_names
 
 
@@ -30,7 +30,7 @@ def test_workloads_are_seeded_and_stay_in_the_vocabulary(name):
 
 def test_max_new_tokens_override_and_bad_input():
     assert make_workload("mixed", num_requests=2, vocab_size=259, max_new_tokens=5).max_new_tokens == 5
-    with pytest.raises(InvalidParamsError, match="unknown workload 'chat'"):
+    with pytest.raises(ConfigError, match="unknown workload 'chat'"):
         make_workload("chat", num_requests=2, vocab_size=259)
-    with pytest.raises(InvalidParamsError, match="num_requests must be an int >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"num_requests.*>= 1.*\b0\b"):
         make_workload("mixed", num_requests=0, vocab_size=259)

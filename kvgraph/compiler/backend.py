@@ -52,7 +52,7 @@ from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
-from kvgraph.errors import BindingError, InvalidParamsError, KVCacheError, LoweringError
+from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
 from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 
 if TYPE_CHECKING:
@@ -96,12 +96,12 @@ class BackendOptions:
         if isinstance(self.inner, str):
             known = torch._dynamo.list_backends(exclude_tags=())
             if self.inner not in known or self.inner == "kvgraph":
-                raise InvalidParamsError(
+                raise ConfigError(
                     f"inner compiler {self.inner!r} is not a Dynamo backend other than kvgraph "
                     f"(see torch._dynamo.list_backends()), e.g. 'inductor' or 'eager'"
                 )
         elif not callable(self.inner):
-            raise InvalidParamsError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
+            raise ConfigError(f"inner must be a backend name or callable, got {type(self.inner).__name__}")
 
 
 @dataclass
@@ -264,7 +264,7 @@ def kvgraph_backend(
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise InvalidParamsError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
+        raise ConfigError(f"unknown kvgraph backend options {unknown}; known: {list(OPTIONS)}")
     if options.get("windows") is not None:
         options["windows"] = KnownWindows(sizes=tuple(options["windows"]), origin=WindowOrigin.OPTIONS)
     return KVGraphBackend(BackendOptions(**options))(gm, example_inputs)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgraph.cache.params import KVCacheStrategy, check_positive_int, parse_device
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 COMPILE_MODES = ("inductor", "eager")
 """What runs the lowered graph: Inductor, or the lowered FX graph as it is."""
@@ -44,7 +44,7 @@ class EngineConfig:
             the cores other processes leave free, from 1 up to ``torch.get_num_threads()`` when the
             engine is made (``kvgraph.engine.threads``); ``False`` keeps that count fixed.
 
-    Raises ``InvalidParamsError`` naming the first field out of range, in the order above with
+    Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
     """
 
@@ -72,7 +72,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             check_positive_int("kv_cache_memory", self.kv_cache_memory)
         if self.compile not in COMPILE_MODES:
-            raise InvalidParamsError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+            raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads)
         check_dtype(self.dtype)
@@ -86,16 +86,16 @@ class EngineConfig:
 
 
 def check_flags(**flags: object) -> None:
-    """``InvalidParamsError`` naming the first flag that is not a bool."""
+    """``ConfigError`` naming the first flag that is not a bool."""
     for name, value in flags.items():
         if not isinstance(value, bool):
-            raise InvalidParamsError(f"{name} must be a bool, got {value!r}")
+            raise ConfigError(f"{name} must be a bool, got {value!r}")
 
 
 def check_dtype(dtype: object) -> None:
-    """``InvalidParamsError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
+    """``ConfigError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise InvalidParamsError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
+        raise ConfigError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -104,5 +104,5 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParamsError(f"device {str(device)!r} requested, but CUDA is not available")
+        raise ConfigError(f"device {str(device)!r} requested, but CUDA is not available")
     return device

@@ -36,7 +36,7 @@ from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
 from kvgraph.engine.strategy import RunnerStrategy, SingleProcess, prepare_model
 from kvgraph.engine.threads import ThreadGovernor
-from kvgraph.errors import KVGRAPH_ERRORS, InvalidParamsError, OutOfPagesError
+from kvgraph.errors import ConfigError, KVGraphError, OutOfPagesError, RequestError
 
 
 def _locked(method):
@@ -91,9 +91,9 @@ class LLMEngine:
         config = EngineConfig() if config is None else config
         strategy = SingleProcess() if strategy is None else strategy
         if not isinstance(config, EngineConfig):
-            raise InvalidParamsError(f"config must be an EngineConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         if strategy.world_size != config.tensor_parallel_size:
-            raise InvalidParamsError(
+            raise ConfigError(
                 f"tensor_parallel_size={config.tensor_parallel_size}, but the runner strategy runs the model on "
                 f"{strategy.world_size} rank(s)"
             )
@@ -166,7 +166,7 @@ class LLMEngine:
         """Stop a request now; its pages are freed at once (a finished request is left as is)."""
         request = self._requests.get(request_id)
         if request is None:
-            raise InvalidParamsError(f"unknown request id {request_id!r}")
+            raise RequestError(f"unknown request id {request_id!r}")
         if not request.finished:
             self.scheduler.finish(request, FinishReason.ABORT)
             self._stats.aborted += 1
@@ -189,7 +189,7 @@ class LLMEngine:
         """The request's output so far (its final result once finished)."""
         r = self._requests.get(request_id)
         if r is None:
-            raise InvalidParamsError(f"unknown request id {request_id!r}")
+            raise RequestError(f"unknown request id {request_id!r}")
         return Completion(
             token_ids=list(r.output_ids),
             text=self._decode(r.output_ids),
@@ -267,7 +267,7 @@ class LLMEngine:
         ``stream`` call waits on also go to that call. When the model raises, the batch's
         requests finish with ``"error"`` (one event each, ``token_id=None``, the message in
         ``error``), their pages are freed and the engine goes on with the others. A kvgraph error
-        (``KVCacheError``, ``BindingError``, ``LoweringError``) or an interrupt aborts the batch's
+        (a ``KVGraphError``: a cache, binding, lowering or kernel error) or an interrupt aborts the batch's
         requests, frees their pages, and is raised.
         """
         start = time.perf_counter()
@@ -282,7 +282,7 @@ class LLMEngine:
         try:
             run = self._run(out)
         except BaseException as exc:
-            if isinstance(exc, Exception) and not isinstance(exc, KVGRAPH_ERRORS):
+            if isinstance(exc, Exception) and not isinstance(exc, KVGraphError):
                 return self._fail(out, exc)  # the model raised: only this step's requests fail
             self._stats.aborted += len(out.entries)
             self.scheduler.abort_all([e.request for e in out.entries])
@@ -480,11 +480,11 @@ class LLMEngine:
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         elif not isinstance(sampling, (list, tuple)):
-            raise InvalidParamsError(
+            raise RequestError(
                 f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
             )
         if len(sampling) != len(prompts):
-            raise InvalidParamsError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+            raise RequestError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         return [self._validate(p, s) for p, s in zip(prompts, sampling, strict=True)]
 
     def _finished(self, request_id: int) -> bool:

@@ -10,7 +10,7 @@ import torch
 from kvgraph.cache.managers import load_kv_manager
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("*.safetensors", "*.bin")
@@ -36,14 +36,14 @@ def load_model(
     (``auto_map``) is refused unless ``trust_remote_code``; weights come from safetensors
     when present, else from ``.bin`` pickles read with ``weights_only=True`` (which refuses
     any pickle that would call a function). A directory that cannot be loaded (corrupt or
-    truncated files, fields of the wrong type) raises ``InvalidParamsError`` naming it.
+    truncated files, fields of the wrong type) raises ``ConfigError`` naming it.
     """
     from kvgraph.presets import is_preset, load_preset, preset_names
 
     if isinstance(model, torch.nn.Module):
         return model, tokenizer
     if not isinstance(model, (str, Path)):
-        raise InvalidParamsError(
+        raise ConfigError(
             f"model must be an nn.Module, a preset name or a checkpoint directory, got {type(model).__name__}"
         )
     if isinstance(model, str) and is_preset(model):
@@ -53,8 +53,8 @@ def load_model(
     if not path.is_dir():
         name = str(model)
         if "/" in name or name.startswith("."):
-            raise InvalidParamsError(f"checkpoint directory {name!r} does not exist")
-        raise InvalidParamsError(
+            raise ConfigError(f"checkpoint directory {name!r} does not exist")
+        raise ConfigError(
             f"unknown model {name!r}: not a preset ({', '.join(preset_names())}) nor a checkpoint directory"
         )
     check_checkpoint(path, trust_remote_code)
@@ -67,42 +67,42 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(path, **safe)
     except Exception as exc:  # transformers, safetensors, json and pickle each raise their own kinds
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InvalidParamsError(
+        raise ConfigError(
             f"checkpoint directory {str(path)!r} could not be loaded: {type(exc).__name__}: {first_line}"
         ) from exc
     return module, tokenizer
 
 
 def check_checkpoint(path: Path, trust_remote_code: bool) -> None:
-    """``InvalidParamsError`` unless ``path`` is a checkpoint directory kvgraph may load: a
+    """``ConfigError`` unless ``path`` is a checkpoint directory kvgraph may load: a
     ``config.json`` that is a JSON object, weights (``*.safetensors`` or ``*.bin``), and no
     ``auto_map`` (code shipped with the checkpoint) unless ``trust_remote_code``."""
     if not path.is_dir():
-        raise InvalidParamsError(f"checkpoint directory {str(path)!r} does not exist")
+        raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise InvalidParamsError(f"checkpoint directory {str(path)!r} has no config.json")
+        raise ConfigError(f"checkpoint directory {str(path)!r} has no config.json")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidParamsError(f"{str(config_file)!r} is not valid JSON: {exc}") from None
+        raise ConfigError(f"{str(config_file)!r} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise InvalidParamsError(f"{str(config_file)!r} holds a {type(config).__name__}, not a JSON object")
+        raise ConfigError(f"{str(config_file)!r} holds a {type(config).__name__}, not a JSON object")
     if "auto_map" in config and not trust_remote_code:
-        raise InvalidParamsError(
+        raise ConfigError(
             f"checkpoint directory {str(path)!r} ships its own model code (config.json auto_map); kvgraph "
             "does not run it unless trust_remote_code=True (--trust-remote-code)"
         )
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
-        raise InvalidParamsError(
+        raise ConfigError(
             f"checkpoint directory {str(path)!r} has no weights ({' or '.join(WEIGHT_FILES)}): truncated?"
         )
 
 
 def check_tokenizer(tokenizer: object) -> None:
-    """``InvalidParamsError`` unless ``tokenizer`` is ``None`` or has ``encode`` and ``decode``."""
+    """``ConfigError`` unless ``tokenizer`` is ``None`` or has ``encode`` and ``decode``."""
     if tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
-        raise InvalidParamsError(
+        raise ConfigError(
             f"tokenizer must have encode() and decode() (a Hugging Face tokenizer), got {type(tokenizer).__name__}"
         )
 
@@ -227,7 +227,7 @@ def make_manager(
         return load_kv_manager(params, max_batch_size, max_seq_len, available_cache_memory=kv_cache_memory)
     need = max_batch_size * max_seq_len * params.bytes_per_token
     if kv_cache_memory < need:
-        raise InvalidParamsError(
+        raise ConfigError(
             f"kv_cache_memory={kv_cache_memory} bytes is less than the {need} bytes the continuous cache "
             f"needs ({max_batch_size} slots of {max_seq_len} tokens)"
         )

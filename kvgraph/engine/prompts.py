@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.managers.paged import PagedKVCacheManager
 from kvgraph.engine.sampling import SamplingParams
-from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
+from kvgraph.errors import OutOfPagesError, RequestError, SequenceLengthError
 
 Prompt = str | Sequence[int]
 
@@ -17,7 +17,7 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence):
-        raise InvalidParamsError(
+        raise RequestError(
             f"prompts must be a string, a list of token ids, or a list of those, got {type(prompts).__name__}"
         )
     prompts = list(prompts)
@@ -27,33 +27,33 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def encode_prompt(prompt: Prompt, tokenizer: object | None, vocab_size: int | None, max_seq_len: int) -> list[int]:
-    """The prompt's token ids; ``InvalidParamsError`` for text without a tokenizer, an empty prompt or
+    """The prompt's token ids; ``RequestError`` for text without a tokenizer, an empty prompt or
     an id outside ``[0, vocab_size)``, ``SequenceLengthError`` past ``max_seq_len``."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise InvalidParamsError(f"text prompt {prompt[:32]!r} needs a tokenizer; this LLM has none (pass token ids)")
+            raise RequestError(f"text prompt {prompt[:32]!r} needs a tokenizer; this LLM has none (pass token ids)")
         ids = list(tokenizer.encode(prompt))
     else:
         ids = list(prompt)
     if not ids:
-        raise InvalidParamsError("prompt is empty; it needs at least one token")
+        raise RequestError("prompt is empty; it needs at least one token")
     for t in ids:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise InvalidParamsError(f"prompt token {t!r} is not an id in [0, {vocab_size})")
+            raise RequestError(f"prompt token {t!r} is not an id in [0, {vocab_size})")
     if len(ids) > max_seq_len:
         raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={max_seq_len}")
     return ids
 
 
 def check_sampling(sampling: SamplingParams | None, vocab_size: int | None) -> SamplingParams:
-    """``sampling`` (default ``SamplingParams()``); ``InvalidParamsError`` for another type or a stop
+    """``sampling`` (default ``SamplingParams()``); ``RequestError`` for another type or a stop
     token outside ``[0, vocab_size)``."""
     sampling = sampling if sampling is not None else SamplingParams()
     if not isinstance(sampling, SamplingParams):
-        raise InvalidParamsError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     for t in sampling.stop_token_ids:
         if vocab_size is not None and t >= vocab_size:
-            raise InvalidParamsError(f"stop token {t} is not an id in [0, {vocab_size})")
+            raise RequestError(f"stop token {t} is not an id in [0, {vocab_size})")
     return sampling
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.engine.progress import CompileProgress
-from kvgraph.errors import BindingError, InvalidParamsError
+from kvgraph.errors import BindingError, LoweringError
 
 SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
@@ -142,7 +142,7 @@ def _logits(out: object) -> torch.Tensor:
         return logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise InvalidParamsError(
+    raise LoweringError(
         f"model output {type(out).__name__} carries no logits tensor; LLM needs a module returning logits"
     )
 

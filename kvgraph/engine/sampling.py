@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidParamsError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+            raise ConfigError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
-            raise InvalidParamsError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise InvalidParamsError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
+            raise ConfigError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise InvalidParamsError(f"seed must be None or an int, got {self.seed!r}")
+            raise ConfigError(f"seed must be None or an int, got {self.seed!r}")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                raise InvalidParamsError(f"stop_token_ids must be non-negative ints, got {t!r}")
+                raise ConfigError(f"stop_token_ids must be non-negative ints, got {t!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +99,7 @@ def sample(
         ``int64 [B]`` token ids on ``logits.device`` (no host sync).
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
-        raise InvalidParamsError(
+        raise ConfigError(
             f"sample got {logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators"
         )
     # tokens: [B]

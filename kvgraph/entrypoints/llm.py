@@ -10,7 +10,7 @@ import torch
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.llm_engine import LLMEngine
 from kvgraph.engine.strategy import RunnerStrategy, SingleProcess
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 from kvgraph.parallel.group import launched_rank
 from kvgraph.parallel.tensor_parallel import TensorParallelStrategy, run_worker
 
@@ -47,7 +47,7 @@ class LLM(LLMEngine):
         **options: object,
     ) -> None:
         if config is not None and not isinstance(config, EngineConfig):
-            raise InvalidParamsError(f"config must be an EngineConfig, got {type(config).__name__}")
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         config = EngineConfig(**options) if config is None else replace(config, **options)
         self.rank = launched_rank() if config.tensor_parallel_size > 1 else 0
         if self.rank != 0:
@@ -67,7 +67,7 @@ class LLM(LLMEngine):
         the engine's, which lives on rank 0."""
         if self.__dict__.get("rank", 0) == 0 or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        raise InvalidParamsError(
+        raise ConfigError(
             f"rank {self.rank} of {self.config.tensor_parallel_size} ran rank 0's steps; call generate on rank 0"
         )
 

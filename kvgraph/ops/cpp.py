@@ -16,6 +16,7 @@ compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -23,9 +24,12 @@ import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from kvgraph.errors import CppKernelError
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +41,6 @@ CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
-
-
-class CppKernelError(RuntimeError):
-    """The C++ CPU kernel was asked for (``KVGRAPH_CPU_ATTENTION=cpp``) but cannot be built or loaded."""
 
 
 _lock = threading.Lock()
@@ -68,7 +68,8 @@ def build() -> None:
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if "c++" in missing and shutil.which(os.environ.get("CXX", "g++")) is not None:
         missing.remove("c++")
-    if "ninja" in missing and _put_pip_ninja_on_path():
+    ninja_dir = _pip_ninja_dir() if "ninja" in missing else None
+    if ninja_dir is not None:
         missing.remove("ninja")
     if missing:
         raise CppKernelError(
@@ -80,14 +81,15 @@ def build() -> None:
     level = capability()
     flags = ["-O3", "-fopenmp", "-std=c++17", *CAPABILITY_FLAGS.get(level, [])]
     try:
-        cpp_extension.load(
-            name=extension_name(level, flags),
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _path_with(ninja_dir):
+            cpp_extension.load(
+                name=extension_name(level, flags),
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # the compiler's or loader's message, whatever its type
         raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
 
@@ -107,19 +109,34 @@ def extension_name(level: str, flags: list[str]) -> str:
     return f"kvgraph_cpu_attention_{level.lower()}_{key.hexdigest()}"
 
 
-def _put_pip_ninja_on_path() -> bool:
-    """Put the ``ninja`` of the ``ninja`` pip package (a dependency of kvgraph) on ``PATH``, where
-    ``torch.utils.cpp_extension`` looks for it: an un-activated virtualenv's ``bin`` is not there."""
+def _pip_ninja_dir() -> str | None:
+    """The directory of the ``ninja`` of the ``ninja`` pip package (a dependency of kvgraph), or
+    ``None``: an un-activated virtualenv's ``bin`` is not on ``PATH``, where
+    ``torch.utils.cpp_extension`` looks for it."""
     try:
         import ninja
 
         bin_dir = ninja.BIN_DIR
     except (ImportError, AttributeError):
         bin_dir = os.path.dirname(sys.executable)
-    if not os.path.exists(os.path.join(bin_dir, "ninja")):
-        return False
-    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return True
+    return bin_dir if os.path.exists(os.path.join(bin_dir, "ninja")) else None
+
+
+@contextlib.contextmanager
+def _path_with(directory: str | None) -> Iterator[None]:
+    """``directory`` first on ``PATH`` for the duration of the block (the build), then ``PATH`` as it was."""
+    if directory is None:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = directory + os.pathsep + (before or "")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = before
 
 
 def available() -> bool:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import LoweringError
 from kvgraph.passes.log import log_pass
 
 FUSED_QKV = "c_attn"
@@ -77,18 +77,18 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def check_attention(attn: nn.Module, name: str, world_size: int) -> None:
-    """``InvalidParamsError`` unless ``attn`` (holding ``c_attn`` and ``c_proj``) can be split over
+    """``LoweringError`` unless ``attn`` (holding ``c_attn`` and ``c_proj``) can be split over
     ``world_size`` ranks: a ``[q | k | v]`` projection of three equal parts, and an attention
     module that is GPT-2's or whose graph :func:`per_rank_attention` can rewrite."""
     fused, out = getattr(attn, FUSED_QKV), getattr(attn, OUT_PROJ, None)
     if out is None or not is_projection(out) or not is_projection(fused):
-        raise InvalidParamsError(
+        raise LoweringError(
             f"tensor parallelism cannot split {name!r}: it needs {FUSED_QKV} and {OUT_PROJ} as nn.Linear or "
             f"Conv1D layers"
         )
     hidden = features(out)[0]
     if features(fused)[1] != 3 * hidden:
-        raise InvalidParamsError(
+        raise LoweringError(
             f"tensor parallelism cannot split '{name}.{FUSED_QKV}': its {features(fused)[1]} output features "
             f"are not [q | k | v] of {hidden} each (cross-attention or grouped KV heads)"
         )
@@ -107,7 +107,7 @@ def per_rank_attention(attn: nn.Module, name: str, world_size: int) -> torch.fx.
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # last size       C -> C/N
         return self.c_proj(y)
 
-    A ``-1`` size is left as it is. ``InvalidParamsError`` naming the node when the module does
+    A ``-1`` size is left as it is. ``LoweringError`` naming the node when the module does
     not trace or does not match (the sizes of a site that is not rewritten would be wrong).
     """
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def per_rank_attention(attn: nn.Module, name: str, world_size: int) -> torch.fx.
     try:
         graph = tracer.trace(attn)
     except Exception as e:
-        raise InvalidParamsError(
+        raise LoweringError(
             f"tensor parallelism cannot split {name!r}: torch.fx cannot trace {type(attn).__name__}.forward "
             f"({type(e).__name__}: {e})"
         ) from None
@@ -217,7 +217,7 @@ def split_in(module: nn.Module, rank: int, n: int) -> None:
 
 def _refuse(name: str, node: torch.fx.Node | None, why: str) -> None:
     where = "" if node is None else f"node {node.name} ({node.op} {getattr(node.target, '__name__', node.target)}): "
-    raise InvalidParamsError(f"tensor parallelism cannot split {name!r}: {where}{why}")
+    raise LoweringError(f"tensor parallelism cannot split {name!r}: {where}{why}")
 
 
 def _only_call(gm: torch.fx.GraphModule, target: str, refuse) -> torch.fx.Node:

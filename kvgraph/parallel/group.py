@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.errors import BindingError, InvalidParamsError, LoweringError, RankFailedError
+from kvgraph.errors import BindingError, ConfigError, LoweringError, RankFailedError
 from kvgraph.parallel.channel import STOP, StepChannel
 from kvgraph.parallel.plan import ShardingPlan
 from kvgraph.parallel.spawn import backend_for, describe_exit, spawn_workers
@@ -47,19 +47,19 @@ def collective_timeout() -> timedelta:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise InvalidParamsError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
     return timedelta(seconds=seconds)
 
 
 def local_device(device: torch.device, world_size: int) -> torch.device:
-    """This rank's device: the CPU, or ``cuda:LOCAL_RANK``. ``InvalidParamsError`` (before any
+    """This rank's device: the CPU, or ``cuda:LOCAL_RANK``. ``ConfigError`` (before any
     process starts) when a host runs more ranks than it has GPUs."""
     if device.type != "cuda":
         return device
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     have = torch.cuda.device_count()
     if ranks_here > have:
-        raise InvalidParamsError(
+        raise ConfigError(
             f"tensor_parallel_size={world_size} puts {ranks_here} ranks on this host, which has {have} "
             f"CUDA device(s): each rank needs a GPU of its own"
         )
@@ -116,7 +116,7 @@ class TensorParallel:
         """Check the plan, form or join the group, and shard ``model`` in place.
 
         ``worker_main`` is what each rank this process spawns runs once it joined the group (see
-        :func:`~kvgraph.parallel.spawn.spawn_workers`). Raises ``InvalidParamsError`` before any
+        :func:`~kvgraph.parallel.spawn.spawn_workers`). Raises ``ConfigError`` before any
         process starts when a size does not divide; ``RankFailedError`` when a spawned rank dies
         before the group forms.
         """
@@ -131,7 +131,7 @@ class TensorParallel:
             else:
                 workers = spawn_workers(worker_main, world_size, device, timeout)
         if dist.get_world_size() != world_size:
-            raise InvalidParamsError(
+            raise ConfigError(
                 f"tensor_parallel_size={world_size}, but the process group has {dist.get_world_size()} ranks"
             )
         if device.type == "cpu":

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError, LoweringError
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROWWISE = ("o_proj", "down_proj")
@@ -71,9 +71,9 @@ class ShardingPlan:
 
     @classmethod
     def of(cls, model: nn.Module, world_size: int, params: KVCacheParams) -> ShardingPlan:
-        """The plan of ``model`` over ``world_size`` ranks; ``InvalidParamsError`` when the model
-        has no splittable projections, fuses them in a way not supported, or a size (heads, MLP
-        width, a size in a fused attention's reshapes) does not divide."""
+        """The plan of ``model`` over ``world_size`` ranks; ``LoweringError`` when the model
+        has no splittable projections, fuses them in a way not supported, or a size in a fused
+        attention's reshapes does not divide; ``ConfigError`` when heads or MLP width do not divide."""
         from kvgraph.parallel import fused as F
 
         colwise, rowwise, uneven, attentions = [], [], [], []
@@ -81,7 +81,7 @@ class ShardingPlan:
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             if leaf in REFUSED:
-                raise InvalidParamsError(
+                raise LoweringError(
                     f"tensor parallelism cannot split {name!r}: it fuses several projections into one "
                     f"output; supported are separate {', '.join(COLWISE[:3])} and {ROWWISE[0]} "
                     f"(the Llama family: Llama, Qwen2, Mistral) or a [q | k | v] {F.FUSED_QKV} with "
@@ -100,7 +100,7 @@ class ShardingPlan:
             if leaf not in COLWISE + ROWWISE + FUSED_COLWISE + FUSED_ROWWISE:
                 continue
             if not F.is_projection(module):
-                raise InvalidParamsError(
+                raise LoweringError(
                     f"tensor parallelism splits nn.Linear (or GPT-2 Conv1D) layers; {name!r} is a "
                     f"{type(module).__name__}"
                 )
@@ -112,29 +112,29 @@ class ShardingPlan:
             if leaf == "q_proj" and n_heads is None:
                 n_heads = module.out_features // params.head_dim
         if n_heads is None or not rowwise:
-            raise InvalidParamsError(
+            raise LoweringError(
                 f"tensor parallelism found no q_proj/k_proj/v_proj/o_proj or c_attn/c_proj projections in "
                 f"{type(model).__name__}: nothing to split over {world_size} ranks"
             )
         plan = cls(tuple(colwise), tuple(rowwise), world_size, n_heads, params.n_kv_heads, tuple(attentions))
         plan.check_heads()
         if uneven:
-            raise InvalidParamsError(f"tensor_parallel_size={world_size} does not divide {uneven[0]}")
+            raise ConfigError(f"tensor_parallel_size={world_size} does not divide {uneven[0]}")
         for name in attentions:
             F.check_attention(model.get_submodule(name), name, world_size)
         conv = [n for n in colwise + rowwise if not isinstance(model.get_submodule(n), nn.Linear)]
         if conv and not attentions:
-            raise InvalidParamsError(
+            raise LoweringError(
                 f"tensor parallelism splits {conv[0]!r} ({type(model.get_submodule(conv[0])).__name__}) only "
                 f"in a model with a fused {F.FUSED_QKV}; with separate projections it needs nn.Linear layers"
             )
         return plan
 
     def check_heads(self) -> None:
-        """``InvalidParamsError`` unless query and KV heads split evenly over the ranks."""
+        """``ConfigError`` unless query and KV heads split evenly over the ranks."""
         for what, count in (("query heads", self.n_heads), ("KV heads", self.n_kv_heads)):
             if count % self.world_size:
-                raise InvalidParamsError(
+                raise ConfigError(
                     f"tensor_parallel_size={self.world_size} does not divide the model's {count} {what} "
                     f"({self.n_heads} query / {self.n_kv_heads} KV heads): every rank needs whole heads"
                 )

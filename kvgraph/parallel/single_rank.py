@@ -20,7 +20,7 @@ from kvgraph.parallel.plan import ShardingPlan
 
 def shard_as_rank_zero(model: nn.Module, world_size: int, params: KVCacheParams) -> KVCacheParams:
     """Split ``model`` in place as rank 0 of ``world_size`` ranks over a fake process group;
-    returns rank 0's cache params. ``InvalidParamsError`` when a size does not divide."""
+    returns rank 0's cache params. ``ConfigError`` or ``LoweringError`` when the model does not split."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

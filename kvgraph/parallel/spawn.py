@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvgraph.errors import KVCacheError, RankFailedError
+from kvgraph.errors import KVGraphError, RankFailedError
 
 LOOPBACK = "127.0.0.1"
 STORE_PREFIX = "kvgraph/pg/"
@@ -98,7 +98,7 @@ def rank_main(
     )
     try:
         main()
-    except (RankFailedError, KVCacheError) as e:
+    except KVGraphError as e:
         sys.stderr.write(f"kvgraph rank {rank}: {e}\n")
         sys.exit(1)
     finally:

@@ -132,9 +132,11 @@ class MaskProver:
         for T in sizes:
             for offset in offsets:
                 where = f"{T} tokens" + (f", positions starting at {offset}" if has_positions else "")
-                reason, w = _window_of(self._evaluate(site, ordered, nodes, effects, T, offset), T)
-                if reason is not None:
-                    raise LoweringError(f"cannot lower attention {describe(site)}: its mask {reason} (at {where})")
+                scores = self._evaluate(site, ordered, nodes, effects, T, offset)
+                try:
+                    w = _window_of(scores, T)
+                except _NotAWindow as e:
+                    raise LoweringError(f"cannot lower attention {describe(site)}: its mask {e} (at {where})") from None
                 seen.append((T, where, w))
         windows = {w: where for _, where, w in reversed(seen) if w is not None}  # each at its first sighting
         window = min(windows, default=None)
@@ -331,18 +333,22 @@ def is_causal_table(table: torch.Tensor) -> bool:
     return bool((z[:, lower] == 0).all() and (z[:, ~lower] <= MASKED).all())
 
 
-def _window_of(scores: torch.Tensor, T: int) -> tuple[str | None, int | None]:
-    """``(why scores are not causal, None)``, or ``(None, w)``: ``scores`` ([..., T, T], zeros
-    where visible) is the causal mask of a sliding window of ``w`` tokens (``None``: no
-    earlier token hidden at this size), the same in every leading slice."""
+class _NotAWindow(Exception):
+    """Why a mask's scores are not causal within one sliding window (what it does instead)."""
+
+
+def _window_of(scores: torch.Tensor, T: int) -> int | None:
+    """The ``w`` for which ``scores`` ([..., T, T], zeros where visible) is the causal mask of a
+    sliding window of ``w`` tokens, the same in every leading slice; ``None``: no earlier token
+    hidden at this size. ``_NotAWindow`` saying why when it is no such mask."""
     if scores.dim() < 2 or tuple(scores.shape[-2:]) != (T, T) or scores.dim() > 4:
-        return f"has shape {tuple(scores.shape)}, not [..., {T}, {T}] (cross-attention or a non-square mask)", None
+        raise _NotAWindow(f"has shape {tuple(scores.shape)}, not [..., {T}, {T}] (cross-attention or a non-square mask)")
     lower = torch.ones(T, T, dtype=torch.bool).tril()
     distance = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # i - j
     windows = set()
     for z in scores.reshape(-1, T, T):
         if torch.isnan(z).any():
-            return "produces NaN scores", None
+            raise _NotAWindow("produces NaN scores")
         checks = (
             (lower & (z != 0) & (z > MASKED),
              "adds the bias {b:g} to the score of token {i} for token {j} (ALiBi or another additive bias)"),
@@ -351,7 +357,7 @@ def _window_of(scores: torch.Tensor, T: int) -> tuple[str | None, int | None]:
         for bad, message in checks:
             if bad.any():
                 i, j = (int(x) for x in torch.nonzero(bad)[0])
-                return message.format(i=i, j=j, b=float(z[i, j])), None
+                raise _NotAWindow(message.format(i=i, j=j, b=float(z[i, j])))
         hidden = lower & (z <= MASKED)
         if not hidden.any():
             windows.add(None)
@@ -362,8 +368,8 @@ def _window_of(scores: torch.Tensor, T: int) -> tuple[str | None, int | None]:
             i, j = (int(x) for x in torch.nonzero(hidden if w == 0 else hidden ^ band)[0])
             what = f"hides earlier token {j} from token {i}" if hidden[i, j] else \
                 f"shows earlier token {j} to token {i} but hides nearer ones"
-            return f"{what}, which no sliding window does (a padding or custom mask)", None
+            raise _NotAWindow(f"{what}, which no sliding window does (a padding or custom mask)")
         windows.add(w)
     if len(windows) > 1:
-        return f"differs between heads or batch rows: windows {sorted(windows, key=str)}", None
-    return None, windows.pop()
+        raise _NotAWindow(f"differs between heads or batch rows: windows {sorted(windows, key=str)}")
+    return windows.pop()

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvgraph
 from kvgraph import (
     BindingError,
-    InvalidParamsError,
+    ConfigError,
     KVCacheParams,
     KVRequest,
     LoweringError,
@@ -327,7 +327,7 @@ def test_unknown_backend_options_are_refused(model):
 
 @pytest.mark.parametrize("inner", ["no_such_backend", "kvgraph", 3])
 def test_compile_refuses_an_unknown_inner_compiler(model, inner):
-    with pytest.raises(InvalidParamsError, match="inner"):
+    with pytest.raises(ConfigError, match="inner"):
         kvgraph.compile(model, inner=inner)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from kvgraph.cache.params import KVCacheStrategy
 from kvgraph.engine.config import EngineConfig
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 
 def test_defaults_are_normalised():
@@ -18,18 +18,18 @@ def test_defaults_are_normalised():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"max_batch_tokens": 0}, "max_batch_tokens must be a positive int, got 0"),
-    ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive int, got True"),
-    ({"kv_cache_memory": 0}, "kv_cache_memory must be a positive int, got 0"),
-    ({"compile": "tvm"}, "compile must be one of inductor, eager, got 'tvm'"),
-    ({"freeze_weights": 1}, "freeze_weights must be a bool, got 1"),
-    ({"dtype": torch.int8}, "dtype must be None or a floating torch.dtype"),
-    ({"cache_strategy": "ring"}, "unknown cache strategy 'ring'"),
-    ({"device": "tpu"}, "device 'tpu' is not a torch device"),
-    ({"page_size": 0, "compile": "tvm"}, "page_size must be a positive int"),  # sizes are checked first
+    ({"max_batch_tokens": 0}, r"max_batch_tokens.*\b0\b"),
+    ({"tensor_parallel_size": True}, r"tensor_parallel_size.*\bTrue\b"),
+    ({"kv_cache_memory": 0}, r"kv_cache_memory.*\b0\b"),
+    ({"compile": "tvm"}, r"compile.*inductor, eager.*\'tvm\'"),
+    ({"freeze_weights": 1}, r"freeze_weights.*\b1\b"),
+    ({"dtype": torch.int8}, r"dtype.*torch\.int8"),
+    ({"cache_strategy": "ring"}, "'ring'"),
+    ({"device": "tpu"}, "device 'tpu'"),
+    ({"page_size": 0, "compile": "tvm"}, r"page_size.*\b0\b"),  # sizes are checked first
 ])
 def test_a_field_out_of_range_is_named(fields, message):
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         EngineConfig(**fields)
 
 
@@ -39,5 +39,5 @@ def test_frozen_and_replace_checks_again():
         config.page_size = 8
     assert config.kv_cache_memory_per_rank == 333
     assert dataclasses.replace(config, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
-    with pytest.raises(InvalidParamsError, match="num_steps must be a positive int, got -1"):
+    with pytest.raises(ConfigError, match=r"num_steps.*-1\b"):
         dataclasses.replace(config, num_steps=-1)

@@ -5,7 +5,7 @@ import torch
 
 from kvgraph.engine import SamplingParams
 from kvgraph.entrypoints.llm import LLM
-from kvgraph.errors import BindingError
+from kvgraph.errors import BindingError, CppKernelError
 
 INJECTED = RuntimeError("injected fault")
 
@@ -79,7 +79,9 @@ def test_stream_reports_the_failed_request_once_with_its_error(llm, fail_on_call
     assert all_free(llm)
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), BindingError("a kvgraph error")])
+@pytest.mark.parametrize(
+    "error", [KeyboardInterrupt(), BindingError("a kvgraph error"), CppKernelError("building the C++ kernel failed")],
+)
 def test_interrupts_and_kvgraph_errors_abort_the_step_and_are_raised(llm, fail_on_call, error):
     fail_on_call(2, error)
     with pytest.raises(type(error)):

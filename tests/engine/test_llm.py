@@ -7,7 +7,7 @@ from kvgraph.cache.params import KVCacheParams
 from kvgraph.engine import SamplingParams
 from kvgraph.engine.stats import kv_usage_text
 from kvgraph.entrypoints.llm import LLM
-from kvgraph.errors import InvalidParamsError, OutOfPagesError, SequenceLengthError
+from kvgraph.errors import ConfigError, OutOfPagesError, RequestError, SequenceLengthError
 
 PAGE = 4
 POOL_PAGES = 24
@@ -117,9 +117,9 @@ def test_requests_that_can_never_run_are_rejected_up_front(llm):
     with pytest.raises(OutOfPagesError, match="needs 25 pages; the pool has 24 pages of 4 tokens"):
         llm.generate([[5] * 90], SamplingParams(max_new_tokens=8))  # 97 tokens to cache
     llm.generate([[5] * 90], SamplingParams(max_new_tokens=7))  # 96 fit
-    with pytest.raises(InvalidParamsError, match="prompt is empty"):
+    with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([[]])
-    with pytest.raises(InvalidParamsError, match=r"prompt token 259 is not an id in \[0, 259\)"):
+    with pytest.raises(RequestError, match=r"prompt token 259 is not an id in \[0, 259\)"):
         llm.generate([[3, 259]])
     assert _all_free(llm)  # nothing was queued, not even the good prompt
 
@@ -162,17 +162,17 @@ def test_the_thread_governor_runs_on_the_cpu_unless_threads_are_fixed(llama):
     assert LLM(model, compile="eager", progress=False).threads is not None
     fixed = LLM(model, compile="eager", progress=False, adaptive_threads=False)
     assert fixed.threads is None and fixed.stats()["others_cores"] is None
-    with pytest.raises(InvalidParamsError, match="adaptive_threads must be a bool, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"adaptive_threads.*'yes'"):
         LLM(model, adaptive_threads="yes")
 
 
 def test_bad_constructor_arguments_raise_before_compiling(llama):
     model, _ = llama
-    with pytest.raises(InvalidParamsError, match="max_batch_tokens must be a positive int, got 0"):
+    with pytest.raises(ConfigError, match=r"max_batch_tokens.*positive.*\b0\b"):
         LLM(model, max_batch_tokens=0)
-    with pytest.raises(InvalidParamsError, match="compile must be one of inductor, eager, got 'tvm'"):
+    with pytest.raises(ConfigError, match=r"compile.*'tvm'"):
         LLM(model, compile="tvm")
-    with pytest.raises(InvalidParamsError, match="checkpoint directory '/no/such/dir' does not exist"):
+    with pytest.raises(ConfigError, match="checkpoint directory '/no/such/dir' does not exist"):
         LLM("/no/such/dir")
 
 
@@ -238,7 +238,7 @@ def test_rates_leave_out_the_steps_that_compiled(llama):
 
 
 def test_an_unknown_model_name_lists_the_presets():
-    with pytest.raises(InvalidParamsError, match="unknown model 'llama-huge': not a preset \\(llama-tiny, "):
+    with pytest.raises(ConfigError, match="unknown model 'llama-huge': not a preset \\(llama-tiny, "):
         LLM("llama-huge")
 
 
@@ -274,7 +274,7 @@ def test_a_plain_module_matches_its_own_eager_greedy(eager_greedy):
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=6))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == eager_greedy(model, prompt, 6)
-    with pytest.raises(InvalidParamsError, match="text prompt 'hi' needs a tokenizer"):
+    with pytest.raises(RequestError, match="text prompt 'hi' needs a tokenizer"):
         llm.generate("hi")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvgraph.engine.loading import load_model
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 from kvgraph.presets import save_preset
 
 
@@ -45,7 +45,7 @@ def test_the_payload_runs_when_unpickled_plainly(tmp_path):
 def test_a_malicious_pickle_is_refused_and_never_runs(checkpoint, tmp_path):
     marker = tmp_path / "ran"
     directory = _with_bin(checkpoint, tmp_path, pickle.dumps({"model.embed_tokens.weight": Payload(marker)}), False)
-    with pytest.raises(InvalidParamsError, match=f"checkpoint directory '{directory}' could not be loaded"):
+    with pytest.raises(ConfigError, match=f"checkpoint directory '{directory}' could not be loaded"):
         load_model(directory)
     assert not marker.exists()
 
@@ -80,6 +80,6 @@ def test_checkpoint_code_never_runs_without_trust_remote_code(checkpoint, tmp_pa
     config = (directory / "config.json").read_text()
     (directory / "config.json").write_text(
         config.replace("{", '{"auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"},', 1))
-    with pytest.raises(InvalidParamsError, match="ships its own model code"):
+    with pytest.raises(ConfigError, match="ships its own model code"):
         load_model(directory)
     assert not marker.exists()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvgraph.engine.sampling import SamplingParams, filter_logits, sample
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 
 def _logits(rows: int = 3, vocab: int = 97, seed: int = 0) -> torch.Tensor:
@@ -64,20 +64,20 @@ def test_sampling_follows_the_distribution():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-        (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
-        (dict(top_k=0), "top_k must be None or an int >= 1, got 0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-        (dict(seed="x"), "seed must be None or an int, got 'x'"),
-        (dict(stop_token_ids=[3, -1]), "stop_token_ids must be non-negative ints, got -1"),
+        (dict(max_new_tokens=0), r"max_new_tokens.*>= 1.*\b0\b"),
+        (dict(temperature=-0.5), r"temperature.*>= 0.*-0\.5"),
+        (dict(top_k=0), r"top_k.*>= 1.*\b0\b"),
+        (dict(top_p=0.0), r"top_p.*\(0, 1\].*\b0\.0\b"),
+        (dict(top_p=1.5), r"top_p.*\(0, 1\].*\b1\.5\b"),
+        (dict(seed="x"), "seed.*'x'"),
+        (dict(stop_token_ids=[3, -1]), r"stop_token_ids.*-1\b"),
     ],
 )
 def test_bad_sampling_params_raise_with_the_value(kwargs, message):
-    with pytest.raises(InvalidParamsError, match=message):
+    with pytest.raises(ConfigError, match=message):
         SamplingParams(**kwargs)
 
 
 def test_sample_checks_row_counts():
-    with pytest.raises(InvalidParamsError, match="2 logit rows, 1 params"):
+    with pytest.raises(ConfigError, match=r"\b2 logit rows, 1 params"):
         sample(_logits(2), [SamplingParams()], [None])

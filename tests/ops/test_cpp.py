@@ -1,5 +1,6 @@
 """Building and choosing the C++ CPU kernel: KVGRAPH_CPU_ATTENTION, clear errors, the fallback."""
 
+import os
 import subprocess
 import sys
 
@@ -29,7 +30,7 @@ def test_sdpa_choice_never_builds(monkeypatch, fresh_state):
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpp.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cpp, "_put_pip_ninja_on_path", lambda: False)
+    monkeypatch.setattr(cpp, "_pip_ninja_dir", lambda: None)
     with pytest.raises(cpp.CppKernelError, match=r"c\+\+ and ninja not found on PATH \(install a C\+\+ compiler"):
         cpp.build()
 
@@ -88,3 +89,10 @@ def test_the_build_name_is_keyed_by_source_flags_and_torch(monkeypatch, tmp_path
     edited.write_bytes(cpp.SOURCE.read_bytes() + b"\n// edited\n")
     monkeypatch.setattr(cpp, "SOURCE", edited)
     assert cpp.extension_name("AVX2", flags) != name  # another checkout's source: its own build
+
+
+def test_the_pip_ninja_is_on_path_for_the_build_only(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with cpp._path_with("/venv/bin"):
+        assert os.environ["PATH"].split(os.pathsep) == ["/venv/bin", "/usr/bin"]
+    assert os.environ["PATH"] == "/usr/bin"

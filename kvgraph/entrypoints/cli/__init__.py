@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvgraph import __version__
 from kvgraph.entrypoints.cli import bench, dump, generate, serve
 from kvgraph.entrypoints.cli.common import ArgumentParser
-from kvgraph.errors import KVGRAPH_ERRORS
+from kvgraph.errors import KVGraphError
 
 
 def build_parser() -> ArgumentParser:
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except KVGRAPH_ERRORS as e:
+    except KVGraphError as e:
         sys.stderr.write(f"kvgraph {args.command}: error: {e}\n")
         return 1
     except KeyboardInterrupt:

@@ -34,7 +34,7 @@ from kvgraph.entrypoints.cli.report import (
     summarize_floor,
     ttft_note,
 )
-from kvgraph.errors import InvalidParamsError, WarmCacheError
+from kvgraph.errors import ConfigError, WarmCacheError
 from kvgraph.workloads import WORKLOADS, Workload, make_workload
 
 BASELINES = ("hf-generate", "hf-generate-batch")
@@ -74,7 +74,7 @@ def parse_baselines(text: str) -> list[str]:
     names = [] if text.strip() == "none" else [t for t in text.replace(" ", "").split(",") if t]
     for name in names:
         if name not in BASELINES:
-            raise InvalidParamsError(f"unknown baseline {name!r}; expected a subset of {', '.join(BASELINES)}")
+            raise ConfigError(f"unknown baseline {name!r}; expected a subset of {', '.join(BASELINES)}")
     return names
 
 
@@ -126,13 +126,13 @@ def run(args: argparse.Namespace) -> int:
     if llm is None:
         return 0
     if llm.vocab_size is None:
-        raise InvalidParamsError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
+        raise ConfigError(f"model {args.model!r} has no config.vocab_size to draw prompt tokens from")
     workload = make_workload(
         args.workload, num_requests=args.requests, vocab_size=llm.vocab_size, seed=args.workload_seed,
         max_new_tokens=args.max_new_tokens,
     )
     if workload.max_seq_len > args.max_seq_len:
-        raise InvalidParamsError(
+        raise ConfigError(
             f"workload {workload.name!r} reaches {workload.max_seq_len} tokens, past --max-seq-len={args.max_seq_len}"
         )
     log = _Log()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from kvgraph.engine.config import COMPILE_MODES, EngineConfig
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -163,7 +163,7 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
         hf_logging.disable_progress_bar()  # the checkpoint's "Loading weights" bar
     if args.threads:
         if args.tensor_parallel_size > 1:
-            raise InvalidParamsError(
+            raise ConfigError(
                 f"--threads {args.threads} with --tensor-parallel-size {args.tensor_parallel_size}: each rank "
                 f"takes its share of the host's cores; set OMP_NUM_THREADS per rank under torchrun instead"
             )

@@ -17,7 +17,7 @@ from kvgraph.entrypoints.cli.common import (
     plural,
     positive_int,
 )
-from kvgraph.errors import InvalidParamsError
+from kvgraph.errors import ConfigError
 
 DEFAULT_PROMPT = "Hello from kvgraph!"
 
@@ -58,13 +58,13 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.prompts_file is None:
         return list(args.prompt or [DEFAULT_PROMPT])
     if not args.prompts_file.is_file():
-        raise InvalidParamsError(f"prompts file {str(args.prompts_file)!r} does not exist")
+        raise ConfigError(f"prompts file {str(args.prompts_file)!r} does not exist")
     prompts: list[str | list[int]] = []
     for line in args.prompts_file.read_text().splitlines():
         if line.strip():
             prompts.append(_parse_line(line))
     if not prompts:
-        raise InvalidParamsError(f"prompts file {str(args.prompts_file)!r} has no prompt")
+        raise ConfigError(f"prompts file {str(args.prompts_file)!r} has no prompt")
     return prompts
 
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args)
     if args.compare_hf and args.temperature != 0.0:
-        raise InvalidParamsError(
+        raise ConfigError(
             f"--compare-hf compares greedy token ids: it needs --temperature 0, got {args.temperature:g}"
         )
     sampling = SamplingParams(
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if llm is None:
         return 0
     if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
-        raise InvalidParamsError(
+        raise ConfigError(
             f"model {args.model!r} has no tokenizer, so text prompts cannot be encoded: give them as token ids "
             "with --prompt-ids 1,2,3"
         )

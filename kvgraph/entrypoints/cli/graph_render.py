@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
+from kvgraph.errors import require_extra
+
 ATTENTION_TARGETS = ("ragged_attention", "scaled_dot_product_attention")
 KV_SOURCE_PREFIX = "kv_"  # kvgraph.cache.symbols names the sources of its symbolic dims kv_<name>
 
@@ -116,6 +118,7 @@ def mlir(graphs: dict[str, torch.fx.GraphModule]) -> str:
     """
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
+    require_extra("mlir", "kvgraph dump --format mlir", "torch_mlir")
     from torch_mlir import ir
     from torch_mlir.dialects import torch as torch_d
     from torch_mlir.extras.fx_importer import FxImporter
@@ -133,6 +136,7 @@ def mlir(graphs: dict[str, torch.fx.GraphModule]) -> str:
 
 def parse_mlir(text: str):
     """Parse torch-dialect MLIR text with torch-mlir's own parser (raises on malformed input)."""
+    require_extra("mlir", "kvgraph dump --format mlir", "torch_mlir")
     from torch_mlir import ir
     from torch_mlir.dialects import torch as torch_d
 

@@ -15,6 +15,7 @@ import networkx as nx
 import torch
 
 from kvgraph.entrypoints.cli.graph_render import is_attention
+from kvgraph.errors import require_extra
 
 INCH_PER_LEVEL = 0.28
 INCH_PER_COLUMN = 1.1
@@ -53,6 +54,7 @@ def layout(g: nx.DiGraph) -> dict:
 
 def svg(graphs: dict[str, torch.fx.GraphModule]) -> str:
     """One SVG document with a panel per graph (``{stage name: graph}``), side by side."""
+    require_extra("viz", "kvgraph dump --format svg", "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

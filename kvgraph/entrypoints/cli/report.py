@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvgraph.entrypoints.cli.baselines import SystemResult
 from kvgraph.entrypoints.cli.floor import FLOOR_SYSTEM
+from kvgraph.errors import require_extra
 
 PERCENTILES = (50, 90, 99)  # the ttft_p*_ms and itl_p*_ms fields of SystemSummary
 FLOOR_LABEL = "matmul floor\n(linear layers only)"
@@ -150,6 +151,7 @@ def format_table(rows: list[SystemSummary]) -> str:
 def plot(rows: list[SystemSummary], title: str, path: Path) -> Path:
     """A 2x2 PNG: throughput (with the matmul floor's bar, when there is one), TTFT, inter-token latency
     percentiles and KV memory per system."""
+    require_extra("viz", "kvgraph bench --plot", "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")

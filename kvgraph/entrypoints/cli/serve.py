@@ -12,6 +12,7 @@ from kvgraph.entrypoints.cli.common import (
     build_llm,
     non_negative_float,
 )
+from kvgraph.errors import require_extra
 
 
 def port_number(text: str) -> int:
@@ -44,6 +45,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("serve", "kvgraph serve", "fastapi", "uvicorn", "prometheus_client")
     from kvgraph.entrypoints.serve.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

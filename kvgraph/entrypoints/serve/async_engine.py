@@ -25,12 +25,9 @@ from kvgraph.engine import SamplingParams, TokenEvent
 from kvgraph.engine.prompts import Prompt
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
+from kvgraph.errors import EngineFailure
 
 log = logging.getLogger("kvgraph.serve")
-
-
-class EngineFailure(RuntimeError):
-    """The step running a request failed (or the server stopped); the request was aborted."""
 
 
 @dataclass

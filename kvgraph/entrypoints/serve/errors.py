@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``, built in one place.
 
-A handler raises ``APIError`` (or lets a ``KVCacheError`` from the engine through); the
+A handler raises ``APIError`` (or lets the engine's ``ConfigError``, ``RequestError`` or ``KVCacheError`` through); the
 exception handlers registered by ``install`` turn every failure, including a body that is not
 JSON or does not validate, into such a body with the right status.
 """
@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvgraph.errors import KVCacheError
+from kvgraph.errors import ConfigError, KVCacheError, KVGraphError, RequestError
 
 log = logging.getLogger("kvgraph.serve")
 
@@ -76,9 +76,11 @@ def install(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
-    @app.exception_handler(KVCacheError)
-    async def _engine_rejects(request: Request, exc: KVCacheError) -> JSONResponse:
+    async def _engine_rejects(request: Request, exc: KVGraphError) -> JSONResponse:
         return error_response(APIError(400, str(exc)))
+
+    for rejected in (ConfigError, RequestError, KVCacheError):
+        app.add_exception_handler(rejected, _engine_rejects)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

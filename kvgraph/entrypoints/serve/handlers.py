@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgraph.engine import SamplingParams
 from kvgraph.engine.prompts import Prompt
 from kvgraph.entrypoints.llm import LLM
-from kvgraph.entrypoints.serve.async_engine import AsyncEngine, EngineFailure
+from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.chat import chat_prompt
 from kvgraph.entrypoints.serve.errors import engine_failure, model_not_found
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
@@ -37,6 +37,7 @@ from kvgraph.entrypoints.serve.protocol import (
 )
 from kvgraph.entrypoints.serve.stop import StopStrings
 from kvgraph.entrypoints.serve.streaming import Generation, server_sent_events
+from kvgraph.errors import EngineFailure
 
 router = APIRouter()
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from kvgraph.entrypoints.serve.async_engine import EngineFailure, RequestHandle
+from kvgraph.entrypoints.serve.async_engine import RequestHandle
 from kvgraph.entrypoints.serve.errors import error_body
 from kvgraph.entrypoints.serve.stop import StopStrings
+from kvgraph.errors import EngineFailure
 
 
 @dataclass

@@ -38,7 +38,7 @@ def test_released_slot_is_reused_lowest_first():
 def test_rejects_paged_params_and_bad_sizes():
     with pytest.raises(InvalidParamsError, match="cache_strategy=continuous"):
         ContinuousBatchingKVCacheManager(paged_params(), 2, 8)
-    with pytest.raises(InvalidParamsError, match="max_batch_size must be a positive int, got 0"):
+    with pytest.raises(InvalidParamsError, match=r"max_batch_size.*positive.*\b0\b"):
         ContinuousBatchingKVCacheManager(continuous_params(), 0, 8)
     with pytest.raises(InvalidParamsError, match="max_seq_len"):
         ContinuousBatchingKVCacheManager(continuous_params(), 2, -3)
