@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -35,9 +34,7 @@ from torch.fx.node import map_aggregate
 from kvgraph.errors import LoweringError, WindowNotShownError
 from kvgraph.passes.graph_view import GraphView, describe, meta_value, placeholder_kind
 from kvgraph.passes.patterns import static_size
-
-if TYPE_CHECKING:
-    from kvgraph.passes.find_attention import KnownWindows
+from kvgraph.passes.windows import KnownWindows
 
 Node = torch.fx.Node
 

@@ -28,36 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kvgraph.errors import InvalidParamsError, LoweringError
+from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.causal_mask import EffectKind, MaskEffect, MaskProof, MaskProver
 from kvgraph.passes.graph_view import GraphView, describe, meta_value
 from kvgraph.passes.log import log_pass
 from kvgraph.passes.patterns import KVRepeat
+from kvgraph.passes.windows import KnownWindows, WindowOrigin
 
 Node = torch.fx.Node
-
-
-class WindowOrigin(enum.Enum):
-    """Where a model's sliding windows were learnt (the value names it in messages)."""
-
-    CONFIG = "the model's config"
-    OPTIONS = "the backend's windows option"
-    SEVERAL_TOKENS = "the model's graph of several tokens"
-
-
-@dataclass(frozen=True, kw_only=True)
-class KnownWindows:
-    """Each attention site's sliding window, in graph order (``None``: plain causal), known before
-    a graph is lowered, and where from."""
-
-    sizes: tuple[int | None, ...]
-    origin: WindowOrigin
-
-    def __post_init__(self) -> None:
-        bad = [w for w in self.sizes if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)]
-        if bad:
-            raise InvalidParamsError(f"sliding windows must be positive ints or None, got {bad[0]!r} in {self.sizes}")
 
 
 class AttentionKind(enum.Enum):
