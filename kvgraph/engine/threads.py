@@ -87,8 +87,8 @@ class ThreadGovernor:
         self._last = sample
         free = len(self.cores) - math.ceil(self.others - BUSY_FRACTION)
         threads = max(1, min(self.max_threads, free))
-        if threads != self.threads:
+        if threads != torch.get_num_threads():  # what runs now, whoever set it last
             torch.set_num_threads(threads)
-            self.threads = threads
             self.changes += 1
+        self.threads = threads
         return self.threads

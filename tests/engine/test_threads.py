@@ -14,7 +14,9 @@ from kvgraph.engine.threads import CpuSample, ThreadGovernor, read_sample
 
 @pytest.fixture
 def restore_threads():
+    """Two threads during the test (the governors here start from 2), the count as it was after."""
     before = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
