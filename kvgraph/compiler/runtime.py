@@ -27,6 +27,7 @@ from kvgraph.cache.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.cache.symbols import INDEX_DTYPE, KV_PLACEHOLDERS, TensorType, ragged_input_symbols
 from kvgraph.errors import BindingError, CacheInputError
+from kvgraph.ops.plan import bound_step
 
 HOW_TO_BIND = (
     "call it inside `with kvgraph.bind(kv_inputs, input_row_offsets):`, where kv_inputs is "
@@ -159,14 +160,16 @@ def bind(
         input_row_offsets: ``int32 [batch + 1]`` on the cache's device: prefix sums of the new
             tokens of each sequence, in the order of ``cache_lengths``.
 
-    Raises ``BindingError`` (binding nothing) when the inputs are not of that form.
+    Raises ``BindingError`` (binding nothing) when the inputs are not of that form. Within the
+    block, the op's calls on these tensors share one checked plan of the step (:func:`~kvgraph.ops.plan.bound_step`).
     """
     kv = _ragged_inputs(kv_inputs)
     _check_structure(kv, input_row_offsets)
     binding = Binding(kv, input_row_offsets)
     _STACK.bindings.append(binding)
     try:
-        yield binding
+        with bound_step(kv.blocks, kv.cache_lengths, kv.lookup_table, input_row_offsets, kv.max_lengths):
+            yield binding
     finally:
         _STACK.bindings.pop()
 

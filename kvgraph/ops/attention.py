@@ -1,4 +1,4 @@
-"""The fused KV-cache attention op ``kvgraph::ragged_attention``: its definition and dispatch.
+"""The fused KV-cache attention op ``kvgraph::ragged_attention``: its definition and its one dispatch.
 
 ``torch.ops.kvgraph.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table,
 input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None, softcap=None)`` first stores
@@ -8,102 +8,70 @@ of sequence ``b`` sits at position ``p = cache_lengths[b] + i - input_row_offset
 positions ``0..p``, or with a ``sliding_window`` of ``w`` tokens only ``max(0, p - w + 1)..p``
 (Mistral's and Gemma's local attention: ``w`` keys, itself included). With ``softcap`` ``c``
 each score ``s = scale * q.k`` becomes ``c * tanh(s / c)`` before softmax (Gemma 2's logit
-soft-capping).
+soft-capping). The arguments, their shapes and the schema are :mod:`kvgraph.ops.schema`'s.
 
-Implementations: a fake (shape) impl for tracing; on the CPU the C++ paged kernel
-(:mod:`kvgraph.ops.cpp`, pages read in place), or the SDPA path (:mod:`kvgraph.ops.cpu`)
-where no compiler is at hand or ``KVGRAPH_CPU_ATTENTION=sdpa``; on CUDA, the Triton kernels
-(``kvgraph.ops.triton.ragged_attention``, imported when first called). Every implementation
-checks its arguments with :mod:`kvgraph.ops.checks`.
+Implementations: a fake (shape) impl for tracing; CPU and CUDA tensors go through
+:func:`dispatch`, which checks the arguments against the step's plan (:mod:`kvgraph.ops.plan`) and
+runs, on the CPU, the C++ paged kernel (:mod:`kvgraph.ops.cpp`, pages read in place), the SDPA
+path (:mod:`kvgraph.ops.cpu`) or the reference (:mod:`kvgraph.ops.reference`) as
+``KVGRAPH_CPU_ATTENTION`` chooses; on CUDA, the Triton kernels (:mod:`kvgraph.ops.triton`,
+imported when first called).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvgraph.ops.checks import check_inputs
+from kvgraph.ops.plan import StepPlan, plan_for
+from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
-SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, Tensor lookup_table, "
-    "Tensor input_row_offsets, Tensor max_lengths, int layer_idx, float? scale=None, "
-    "int? sliding_window=None, float? softcap=None) -> Tensor"
-)
-
+Run = Callable[[AttentionArgs, StepPlan], torch.Tensor]
 
 _LIB = torch.library.Library("kvgraph", "DEF")
 _LIB.define("ragged_attention" + SCHEMA)
-_cpu_kernel = None  # the CPU implementation, chosen on first use (see kvgraph.ops.cpp)
-
-
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Store the new K/V into the cache, then causal attention over each sequence's cache.
-
-    Args:
-        q: ``[T, Hq, D]`` new tokens of all sequences, flattened (ragged).
-        k, v: ``[T, Hkv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``.
-        kv_blocks: written in place. Paged ``[total_num_pages, 2, num_layers, page_size, Hkv, D]``;
-            continuous ``[max_batch_size, 2, num_layers, max_seq_len, Hkv, D]``; axis 1: 0 = K, 1 = V.
-        cache_lengths: ``int32 [batch]`` tokens cached before this step.
-        lookup_table: ``int32``; paged ``[batch, max_num_pages]`` (unused = ``total_num_pages``),
-            continuous ``[batch]`` (slot of each sequence).
-        input_row_offsets: ``int32 [batch + 1]`` prefix sums of new tokens per sequence.
-        max_lengths: ``int32 [num_steps, 2]`` on the CPU; row 0 = ``[max new, max cached + new]``.
-        layer_idx: the layer of the cache to write and read.
-        scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
-        sliding_window: ``w`` >= 1: the token at position ``p`` sees only positions ``p - w + 1..p``
-            (the cache still holds every position); ``None``: all of ``0..p``.
-        softcap: ``c > 0``: scores ``s`` become ``c * tanh(s / c)`` before softmax; ``None``: unchanged.
-
-    Returns:
-        ``[T, Hq, D]`` in q's dtype. q, k, v and kv_blocks share one dtype and device.
-    """
-    return torch.ops.kvgraph.ragged_attention(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-        sliding_window, softcap,
-    )
+ragged_attention = torch.ops.kvgraph.ragged_attention
+_cpu_run: Run | None = None  # the CPU implementation, chosen on first use (see kvgraph.ops.cpp)
 
 
 def cpu_implementation() -> str:
-    """``"cpp"`` or ``"sdpa"``: what serves the op on CPU tensors in this process (chosen on first use)."""
-    from kvgraph.ops import cpp, cpu
+    """``"cpp"``, ``"sdpa"`` or ``"reference"``: what serves the op on CPU tensors in this process (chosen on first use)."""
+    from kvgraph.ops import cpp, cpu, reference
 
-    global _cpu_kernel
-    if _cpu_kernel is None:
-        _cpu_kernel = cpp.ragged_attention if cpp.available() else cpu.ragged_attention
-    return "cpp" if _cpu_kernel.__module__ == cpp.__name__ else "sdpa"
+    global _cpu_run
+    if _cpu_run is None:
+        _cpu_run = reference.run if cpp.choice() == "reference" else cpp.run if cpp.available() else cpu.run
+    return {cpp.run: "cpp", cpu.run: "sdpa", reference.run: "reference"}[_cpu_run]
+
+
+def implementation(device: torch.device) -> Run:
+    """The ``run(args, plan)`` serving tensors on ``device``: Triton on CUDA, the chosen CPU one elsewhere."""
+    if device.type == "cuda":
+        from kvgraph.ops.triton.api import run
+
+        return run
+    if _cpu_run is None:
+        cpu_implementation()
+    return _cpu_run
+
+
+def dispatch(args: AttentionArgs) -> torch.Tensor:
+    """Check ``args`` (the step's plan, reused within a bound step, and this layer), then run the op."""
+    plan = plan_for(args)
+    return implementation(plan.device)(args, plan)
 
 
 @torch.library.impl(_LIB, "ragged_attention", "CPU")
-def _ragged_attention_cpu(*args, **kwargs) -> torch.Tensor:
-    """CPU: the C++ paged kernel, or the SDPA path where it cannot be built (same arguments)."""
-    if _cpu_kernel is None:
-        cpu_implementation()
-    return _cpu_kernel(*args, **kwargs)
-
-
 @torch.library.impl(_LIB, "ragged_attention", "CUDA")
-def _ragged_attention_cuda(*args, **kwargs) -> torch.Tensor:
-    """CUDA: the Triton kernels, same arguments (they validate with :func:`~kvgraph.ops.checks.check_inputs`)."""
-    from kvgraph.ops.triton import ragged_attention as triton_ragged_attention
-
-    return triton_ragged_attention(*args, **kwargs)
+def _ragged_attention(*args: object, **kwargs: object) -> torch.Tensor:
+    """CPU and CUDA: :func:`dispatch` (arguments as :class:`~kvgraph.ops.schema.AttentionArgs`)."""
+    return dispatch(AttentionArgs(*args, **kwargs))
 
 
 @torch.library.register_fake("kvgraph::ragged_attention", lib=_LIB)
-def _ragged_attention_fake(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _ragged_attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     """Shape-only impl for tracing: checks metadata, returns ``[T, Hq, D]`` like q."""
     check_inputs(q, *args, **kwargs)
     return q.new_empty(q.shape)

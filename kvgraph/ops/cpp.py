@@ -12,6 +12,7 @@ compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself 
   fix it, then the SDPA path (:mod:`kvgraph.ops.cpu`).
 - ``cpp``: the C++ kernel; a failed build raises :class:`CppKernelError`.
 - ``sdpa``: the SDPA path, no compiler needed.
+- ``reference``: the pure-PyTorch reference (:mod:`kvgraph.ops.reference`), the slowest and simplest.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-from kvgraph.errors import CppKernelError
+from kvgraph.errors import CacheInputError, CppKernelError
+from kvgraph.ops.plan import StepPlan, with_op_arguments
+from kvgraph.ops.schema import AttentionArgs
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 ENV = "KVGRAPH_CPU_ATTENTION"
-CHOICES = ("auto", "cpp", "sdpa")
+CHOICES = ("auto", "cpp", "sdpa", "reference")
 # SIMD flags per PyTorch CPU capability; ATen's vectorized types follow CPU_CAPABILITY_*.
 CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
@@ -143,10 +146,10 @@ def available() -> bool:
     """Whether the C++ kernel is to be used: built and loaded once per process, as :func:`choice` says.
 
     With ``auto``, a failed build warns once and returns ``False`` (the SDPA path runs);
-    with ``cpp`` it raises ``CppKernelError``; with ``sdpa`` it is ``False`` without building.
+    with ``cpp`` it raises ``CppKernelError``; with ``sdpa`` or ``reference`` it is ``False`` without building.
     """
     wanted = choice()
-    if wanted == "sdpa":
+    if wanted in ("sdpa", "reference"):
         return False
     if "ok" not in _state:
         try:
@@ -174,43 +177,21 @@ def _kernel():
     return kernel
 
 
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The op on CPU tensors through the C++ kernel (arguments as ``torch.ops.kvgraph.ragged_attention``).
+def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
+    """The op on CPU tensors through the C++ kernel, on arguments checked against ``plan``.
 
-    Checks the metadata here (:func:`~kvgraph.ops.checks.check_inputs`) and the index values in
-    C++; either raises ``CacheInputError`` before anything is written. Builds the kernel on first use.
-
-    Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place, contiguous);
-        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
-        sliding_window: keys each token sees, itself included (``None``: all before it);
-        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
+    The C++ kernel checks the index values and raises ``CacheInputError`` (as ``ValueError``)
+    before anything is written. Builds the kernel on first use. Arguments and shapes are
+    :class:`~kvgraph.ops.schema.AttentionArgs`'; ``kv_blocks`` must be contiguous.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, accumulated in float32 (float64 for float64 inputs).
     """
-    from kvgraph.errors import CacheInputError
-    from kvgraph.ops.checks import check_inputs
-
-    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                 sliding_window, softcap)
     kernel = _kernel()
     try:
-        return kernel(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                      sliding_window, softcap)
+        return kernel(*args)
     except ValueError as e:
         raise CacheInputError(str(e)) from None
+
+
+ragged_attention = with_op_arguments(run)

@@ -17,41 +17,22 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvgraph.ops.plan import StepPlan, with_op_arguments
 from kvgraph.ops.reference import store_and_load_context
+from kvgraph.ops.schema import AttentionArgs
 
 
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The op on CPU tensors (arguments as ``torch.ops.kvgraph.ragged_attention``).
-
-    Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
-        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]``;
-        sliding_window: keys each token sees, itself included (``None``: all before it);
-        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
+def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
+    """The op on CPU tensors, on arguments checked against ``plan`` (shapes as
+    :class:`~kvgraph.ops.schema.AttentionArgs`). The padded causal mask is built once per step.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype.
     """
-    batch, k_ctx, v_ctx = store_and_load_context(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-        sliding_window, softcap,
-    )
+    batch, k_ctx, v_ctx = store_and_load_context(args, plan)
+    q, scale, softcap = args.q, args.scale, args.softcap
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = args.k.shape[1]
     G = Hq // Hkv
     B, S = batch.batch_size, batch.max_new
     # float16 in float32 (no fast CPU SDPA); bfloat16 too when soft-capping: the matmul path would
@@ -60,7 +41,10 @@ def ragged_attention(
     acc = torch.float32 if q.dtype in low else q.dtype
     # rows (s, g) of one kv head: [B, S, Hkv, G, D] -> [B, Hkv, S * G, D]
     q_rows = batch.pad(q).to(acc).view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, S * G, D)
-    mask = batch.mask(sliding_window).repeat_interleave(G, dim=1)[:, None]  # [B, 1, S * G, L]
+    mask = plan.derived(  # [B, 1, S * G, L]
+        ("sdpa mask", T, args.sliding_window, G),
+        lambda: batch.mask(args.sliding_window).repeat_interleave(G, dim=1)[:, None],
+    )
     keys, values = k_ctx.to(acc).transpose(1, 2), v_ctx.to(acc).transpose(1, 2)  # [B, Hkv, L, D]
     if softcap is None:
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, S * G, D]
@@ -70,3 +54,6 @@ def ragged_attention(
         out = torch.softmax(scores, dim=-1) @ values
     out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
     return batch.unpad(out).to(q.dtype)
+
+
+ragged_attention = with_op_arguments(run)

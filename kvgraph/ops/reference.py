@@ -24,7 +24,9 @@ from kvgraph.cache.collection import (
     collection_for,
 )
 from kvgraph.cache.inputs import RaggedKVCacheInputs
-from kvgraph.ops.checks import check_inputs, check_values
+from kvgraph.ops.checks import check_values
+from kvgraph.ops.plan import StepPlan, with_op_arguments
+from kvgraph.ops.schema import AttentionArgs
 
 Collection = PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
 
@@ -169,80 +171,65 @@ def store_kv(
     collection.get_value_cache(layer_idx).store(batch_idx, pos, v)
 
 
-def store_and_load_context(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> tuple[RaggedBatch, torch.Tensor, torch.Tensor]:
-    """The op's first half: validate, store the new K/V, load every sequence's whole context.
+def ragged_batch(args: AttentionArgs, plan: StepPlan) -> RaggedBatch:
+    """The step's :class:`RaggedBatch`, its index values checked (:func:`check_values`) once per step."""
+    num_tokens = args.q.shape[0]
 
-    Arguments are the op's. Returns ``(batch, k_ctx, v_ctx)`` with ``k_ctx, v_ctx``
-    ``[batch, max_total, Hkv, D]`` in the cache dtype, zero past each sequence's length.
+    def build() -> RaggedBatch:
+        check_values(args.kv_blocks, args.cache_lengths, args.lookup_table, args.input_row_offsets,
+                     args.max_lengths, num_tokens)
+        return RaggedBatch.build(args.cache_lengths, args.input_row_offsets, args.max_lengths, num_tokens)
+
+    return plan.derived((RaggedBatch, num_tokens), build)
+
+
+def store_and_load_context(args: AttentionArgs, plan: StepPlan) -> tuple[RaggedBatch, torch.Tensor, torch.Tensor]:
+    """The op's first half on arguments checked against ``plan``: check the index values (once per
+    step), store the new K/V, load every sequence's whole context.
+
+    Returns ``(batch, k_ctx, v_ctx)`` with ``k_ctx, v_ctx`` ``[batch, max_total, Hkv, D]`` in the
+    cache dtype, zero past each sequence's length.
     """
-    check_inputs(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-                 sliding_window, softcap)
-    check_values(kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, q.shape[0])
-    collection = _collection(kv_blocks, cache_lengths, lookup_table, max_lengths)
-    store_kv(k, v, collection, input_row_offsets, layer_idx)
-    batch = RaggedBatch.build(cache_lengths, input_row_offsets, max_lengths, q.shape[0])
-    k_ctx = collection.get_key_cache(layer_idx).load_padded(batch.total_lengths, batch.max_total)
-    v_ctx = collection.get_value_cache(layer_idx).load_padded(batch.total_lengths, batch.max_total)
-    return batch, k_ctx, v_ctx
+    batch = ragged_batch(args, plan)
+    collection = plan.derived(
+        Collection, lambda: _collection(args.kv_blocks, args.cache_lengths, args.lookup_table, args.max_lengths)
+    )
+    keys, values = collection.get_key_cache(args.layer_idx), collection.get_value_cache(args.layer_idx)
+    positions = batch.positions
+    keys.store(batch.batch_idx, positions, args.k)
+    values.store(batch.batch_idx, positions, args.v)
+    return batch, keys.load_padded(batch.total_lengths, batch.max_total), values.load_padded(
+        batch.total_lengths, batch.max_total
+    )
 
 
-def ragged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Reference of ``torch.ops.kvgraph.ragged_attention`` (same arguments, same cache writes).
+def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
+    """Reference of ``torch.ops.kvgraph.ragged_attention`` on arguments checked against ``plan``.
 
-    Args:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``; kv_blocks: the cache (written in place);
-        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[steps, 2]`` (CPU);
-        sliding_window: keys each token sees, itself included (``None``: all before it);
-        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` (``None``: unchanged).
+    Arguments and shapes are :class:`~kvgraph.ops.schema.AttentionArgs`'; the cache writes are the op's.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype, computed in float32 (float64 for float64 inputs).
     """
-    batch, k_ctx, v_ctx = store_and_load_context(
-        q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx, scale,
-        sliding_window, softcap,
-    )
+    batch, k_ctx, v_ctx = store_and_load_context(args, plan)
+    q = args.q
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = args.k.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scale = 1.0 / math.sqrt(D) if args.scale is None else args.scale
     B, S = batch.batch_size, batch.max_new
     # qg: [B, S, Hkv, G, D]: the G query heads of one kv head side by side
     qg = batch.pad(q).to(acc).view(B, S, Hkv, Hq // Hkv, D)
     scores = torch.einsum("bshgd,blhd->bhgsl", qg, k_ctx.to(acc)) * scale  # [B, Hkv, G, S, L]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~batch.mask(sliding_window)[:, None, None], float("-inf"))
+    if args.softcap is not None:
+        scores = args.softcap * torch.tanh(scores / args.softcap)
+    scores = scores.masked_fill(~batch.mask(args.sliding_window)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgsl,blhd->bshgd", probs, v_ctx.to(acc))  # [B, S, Hkv, G, D]
     return batch.unpad(out.reshape(B, S, Hq, D)).to(q.dtype)
+
+
+ragged_attention = with_op_arguments(run)
 
 
 def naive_attention_fp64(

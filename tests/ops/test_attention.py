@@ -180,7 +180,7 @@ def test_check_inputs_rejects_devices_and_bad_scale(make_kv_case):
     with pytest.raises(CacheInputError, match=r"scale must be a finite positive float or None, got nan"):
         check_inputs(*args, scale=float("nan"))
     args[4] = case.cache_lengths.to("meta")
-    with pytest.raises(CacheInputError, match=r"cache_lengths is on meta but q is on cpu"):
+    with pytest.raises(CacheInputError, match=r"cache_lengths is on meta but kv_blocks is on cpu"):
         check_inputs(*args)
     args[4], args[7] = case.cache_lengths, case.max_lengths.to("meta")
     with pytest.raises(CacheInputError, match=r"max_lengths must live on the CPU, got meta"):

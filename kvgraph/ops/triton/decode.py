@@ -9,6 +9,8 @@ import torch
 import triton
 
 from kvgraph.errors import CacheInputError
+from kvgraph.ops.plan import plan_for
+from kvgraph.ops.schema import AttentionArgs
 from kvgraph.ops.triton.checks import check_launch
 from kvgraph.ops.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel
 from kvgraph.ops.triton.launch import dot_precision, log2_softcap, on_device
@@ -37,44 +39,30 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_context: int, multiproces
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """The op (same arguments, same cache writes) with flash-decoding: at most one new token per
-    sequence (``max_lengths[0, 0] == 1``).
+def decode_attention(*args: object, num_splits: int | None = None, **kwargs: object) -> torch.Tensor:
+    """The op (its arguments, :class:`~kvgraph.ops.schema.AttentionArgs`, and its cache writes) with
+    flash-decoding: at most one new token per sequence (``max_lengths[0, 0] == 1``).
 
     Stores the new K/V, then splits each context (its last ``sliding_window`` positions with a
     window) into ``num_splits`` shares (chosen from the device and ``max_lengths[0, 1]``, or the
     window where shorter, when None) attended by separate programs and merged by a reduction
-    kernel; scores are soft-capped with ``softcap``. See :func:`kvgraph.ops.triton.ragged_attention` for the other arguments; returns
-    ``[T, Hq, D]`` in ``q``'s dtype.
+    kernel; scores are soft-capped with ``softcap``. Returns ``[T, Hq, D]`` in ``q``'s dtype.
     """
-    plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale, sliding_window, softcap)
-    if q.shape[0] > 0 and plan.max_new != 1:
-        raise CacheInputError(f"decode needs one new token per sequence, got max_lengths[0, 0] = {plan.max_new}")
+    op_args = AttentionArgs(*args, **kwargs)
+    plan = plan_for(op_args)
+    launch = check_launch(op_args, plan)
+    q = op_args.q
+    if q.shape[0] > 0 and launch.max_new != 1:
+        raise CacheInputError(f"decode needs one new token per sequence, got max_lengths[0, 0] = {launch.max_new}")
     if num_splits is None:
-        num_splits = choose_num_splits(cache_lengths.shape[0], k.shape[1], plan.max_keys,
-                                       multiprocessors(q.device))
+        num_splits = choose_num_splits(plan.batch, plan.n_kv_heads, launch.max_keys, multiprocessors(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise CacheInputError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
+    cache = PagedLayer.of(op_args.kv_blocks, op_args.lookup_table, op_args.layer_idx)
     with on_device(q):
-        launch_store(k, v, cache, cache_lengths, input_row_offsets)
-        return launch_decode(q, cache, cache_lengths, input_row_offsets, plan.scale, num_splits, plan.window,
-                             plan.softcap)
+        launch_store(op_args.k, op_args.v, cache, op_args.cache_lengths, op_args.input_row_offsets)
+        return launch_decode(q, cache, op_args.cache_lengths, op_args.input_row_offsets, launch.scale, num_splits,
+                             launch.window, launch.softcap)
 
 
 def launch_decode(

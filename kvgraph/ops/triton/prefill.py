@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kvgraph.ops.plan import StepPlan, with_op_arguments
+from kvgraph.ops.schema import AttentionArgs
 from kvgraph.ops.triton.checks import check_launch
 from kvgraph.ops.triton.launch import block_programs, dot_precision, log2_softcap, on_device
 from kvgraph.ops.triton.layout import PagedLayer, next_power_of_2, padded_head_dim
@@ -13,33 +15,23 @@ from kvgraph.ops.triton.prefill_kernel import prefill_kernel
 from kvgraph.ops.triton.store import launch_store
 
 
-def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    max_lengths: torch.Tensor,
-    layer_idx: int,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def _prefill(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
     """The op (same arguments, same cache writes) with the prefill kernel, whatever the batch.
 
     Stores the new K/V, then tiles of new tokens of each sequence attend causally to their
     new tokens and fully to the cached prefix (to its last ``sliding_window`` positions with a
-    window), their scores soft-capped with ``softcap``. See :func:`kvgraph.ops.triton.ragged_attention` for the arguments; returns
-    ``[T, Hq, D]`` in ``q``'s dtype.
+    window), their scores soft-capped with ``softcap``. Arguments as
+    :class:`~kvgraph.ops.schema.AttentionArgs`; returns ``[T, Hq, D]`` in ``q``'s dtype.
     """
-    plan = check_launch(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths,
-                        layer_idx, scale, sliding_window, softcap)
-    cache = PagedLayer.of(kv_blocks, lookup_table, layer_idx)
-    with on_device(q):
-        launch_store(k, v, cache, cache_lengths, input_row_offsets)
-        return launch_prefill(q, cache, cache_lengths, input_row_offsets, plan.scale, plan.window, plan.softcap)
+    launch = check_launch(args, plan)
+    cache = PagedLayer.of(args.kv_blocks, args.lookup_table, args.layer_idx)
+    with on_device(args.q):
+        launch_store(args.k, args.v, cache, args.cache_lengths, args.input_row_offsets)
+        return launch_prefill(args.q, cache, args.cache_lengths, args.input_row_offsets, launch.scale, launch.window,
+                              launch.softcap)
+
+
+prefill_attention = with_op_arguments(_prefill)
 
 
 def launch_prefill(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvgraph.ops.plan import plan_for
+from kvgraph.ops.schema import AttentionArgs
 from kvgraph.ops.triton.checks import check_launch
 from kvgraph.ops.triton.launch import block_programs, on_device
 from kvgraph.ops.triton.layout import PagedLayer, padded_head_dim
@@ -37,7 +39,8 @@ def store_kv(
     Token ``i`` of sequence ``b`` lands at position ``cache_lengths[b] + i - input_row_offsets[b]``.
     """
     # k stands in for the queries the op would take: the store reads none
-    check_launch(k, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx)
+    args = AttentionArgs(k, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx)
+    check_launch(args, plan_for(args))
     with on_device(k):
         launch_store(k, v, PagedLayer.of(kv_blocks, lookup_table, layer_idx), cache_lengths, input_row_offsets)
 

@@ -5,16 +5,20 @@ import torch
 
 import kvgraph.ops.triton.checks as checks
 from kvgraph.errors import CacheInputError
+from kvgraph.ops.plan import plan_for
+from kvgraph.ops.schema import AttentionArgs
 from kvgraph.ops.triton import ragged_attention
 from tests.ops.triton.triton_cases import DEVICE
 
 
 def _with(args, **changes):
-    names = ("q", "k", "v", "kv_blocks", "cache_lengths", "lookup_table", "input_row_offsets",
-             "max_lengths", "layer_idx")
-    values = dict(zip(names, args, strict=True))
-    values.update(changes)
-    return tuple(values[n] for n in names)
+    return AttentionArgs(*args)._replace(**changes)
+
+
+def launch_plan(*args, **kwargs) -> checks.LaunchPlan:
+    """The Triton launch plan of the op's arguments, checked as the op checks them."""
+    op_args = AttentionArgs(*args, **kwargs)
+    return checks.check_launch(op_args, plan_for(op_args))
 
 
 BAD = {
@@ -62,8 +66,8 @@ def test_cpu_tensors_need_the_interpreter(make_kv_case, monkeypatch):
 
 def test_default_scale_is_inverse_sqrt_head_dim(make_kv_case):
     case = make_kv_case([(1, 2)], head_dim=64, device=DEVICE)
-    assert checks.check_launch(*case.args()).scale == pytest.approx(0.125)
-    assert checks.check_launch(*case.args(), scale=0.5).scale == 0.5
+    assert launch_plan(*case.args()).scale == pytest.approx(0.125)
+    assert launch_plan(*case.args(), scale=0.5).scale == 0.5
 
 
 BAD_OPTIONS = [("sliding_window", w, "sliding_window must be a positive int") for w in (0, -3, True, 2.5)] + [
@@ -77,7 +81,7 @@ def test_bad_window_or_softcap_is_refused_before_anything_is_written(make_kv_cas
     case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
     before = case.kv_blocks.clone()
     with pytest.raises(CacheInputError, match=message):
-        checks.check_launch(*case.args(), **{option: value})
+        launch_plan(*case.args(), **{option: value})
     with pytest.raises(CacheInputError, match=message):
         ragged_attention(*case.args(), **{option: value})
     assert torch.equal(case.kv_blocks, before)
@@ -86,7 +90,7 @@ def test_bad_window_or_softcap_is_refused_before_anything_is_written(make_kv_cas
 def test_sliding_window_as_the_kernels_take_it(make_kv_case):
     # 16-token pages, lookup table of 2 columns: a window of 32 or more hides nothing (0)
     case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
-    plans = {w: checks.check_launch(*case.args(), sliding_window=w) for w in (None, 1, 5, 31, 32, 10**12)}
+    plans = {w: launch_plan(*case.args(), sliding_window=w) for w in (None, 1, 5, 31, 32, 10**12)}
     assert {w: p.window for w, p in plans.items()} == {None: 0, 1: 1, 5: 5, 31: 31, 32: 0, 10**12: 0}
     # keys one query attends, which sizes the decode splits: the longest context 11, or the window
     assert {w: p.max_keys for w, p in plans.items()} == {None: 11, 1: 1, 5: 5, 31: 11, 32: 11, 10**12: 11}
@@ -94,7 +98,7 @@ def test_sliding_window_as_the_kernels_take_it(make_kv_case):
 
 def test_softcap_as_the_kernels_take_it(make_kv_case):
     case = make_kv_case([(4, 3), (9, 2)], device=DEVICE)
-    assert checks.check_launch(*case.args()).softcap is None
-    plan = checks.check_launch(*case.args(), softcap=30)
+    assert launch_plan(*case.args()).softcap is None
+    plan = launch_plan(*case.args(), softcap=30)
     assert plan.softcap == 30.0 and isinstance(plan.softcap, float)
-    assert checks.check_launch(*case.args(), softcap=0.5, sliding_window=5).softcap == 0.5
+    assert launch_plan(*case.args(), softcap=0.5, sliding_window=5).softcap == 0.5
