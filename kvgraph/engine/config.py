@@ -42,7 +42,9 @@ class EngineConfig:
         trust_remote_code: let a checkpoint directory run its own modelling code.
         adaptive_threads: on the CPU with one rank, set the intra-op thread count between steps to
             the cores other processes leave free, from 1 up to ``torch.get_num_threads()`` when the
-            engine is made (``kvgraph.engine.threads``); ``False`` keeps that count fixed.
+            engine is made (``kvgraph.engine.threads``). Off by default: Dynamo guards on the
+            thread count, so the first step at each new count re-traces the model (its graphs then
+            come from Inductor's cache) and counts as a recompile.
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -63,7 +65,7 @@ class EngineConfig:
     progress: bool = True
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
-    adaptive_threads: bool = True
+    adaptive_threads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",

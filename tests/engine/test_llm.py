@@ -157,10 +157,10 @@ def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
     runner.cache_hits = runner.cache_misses = 0
 
 
-def test_the_thread_governor_runs_on_the_cpu_unless_threads_are_fixed(llama):
+def test_the_thread_governor_runs_on_the_cpu_when_asked(llama):
     model, _ = llama
-    assert LLM(model, compile="eager", progress=False).threads is not None
-    fixed = LLM(model, compile="eager", progress=False, adaptive_threads=False)
+    assert LLM(model, compile="eager", progress=False, adaptive_threads=True).threads is not None
+    fixed = LLM(model, compile="eager", progress=False)
     assert fixed.threads is None and fixed.stats()["others_cores"] is None
     with pytest.raises(ConfigError, match=r"adaptive_threads.*'yes'"):
         LLM(model, adaptive_threads="yes")

@@ -105,9 +105,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
                    "core). Fewer leave cores to other work on the host, e.g. the HTTP server's event "
                    "loop or a load generator next to `kvgraph serve`")
-    g.add_argument("--fixed-threads", action="store_true",
-                   help="keep the thread count fixed; by default it follows, between steps, the cores "
-                   "other processes leave free (from 1 up to --threads)")
+    g.add_argument("--adaptive-threads", action="store_true",
+                   help="between steps, run the kernels on the cores other processes leave free (from 1 "
+                   "up to --threads) instead of a fixed thread count; the first step at each new count "
+                   "re-traces the model"),
     g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
                    help="split the model's heads and MLP over this many ranks (default %(default)s): "
                    "spawned on this host, or the ranks torchrun started")
@@ -126,7 +127,7 @@ FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "enable_prefix_caching": lambda args: not args.no_prefix_caching,
     "freeze_weights": lambda args: not args.no_freeze_weights,
     "dtype": lambda args: DTYPES.get(args.dtype),
-    "adaptive_threads": lambda args: not args.fixed_threads,
+    "adaptive_threads": lambda args: args.adaptive_threads,
 }
 """How the ``EngineConfig`` fields whose flag has another name or meaning are read from the parsed
 flags; every other field is the flag of its own name (``--page-size`` is ``page_size``)."""

@@ -45,11 +45,11 @@ def test_bench_no_floor_leaves_out_the_floor_row(kvgraph_cli, fast_flags, tmp_pa
     out = tmp_path / "bench.json"
     done = kvgraph_cli(
         "bench", "--model", "llama-tiny", "--workload", "decode-heavy", "--requests", "2", "--max-new-tokens", "2",
-        "--max-seq-len", "272", "--baselines", "none", "--no-floor", "--json", str(out), "--threads", "1", "--fixed-threads", *fast_flags,
+        "--max-seq-len", "272", "--baselines", "none", "--no-floor", "--json", str(out), "--threads", "1", *fast_flags,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["torch_threads"] == 1  # --threads
-    assert report["kvgraph_stats"]["others_cores"] is None  # --fixed-threads: no governor
+    assert report["kvgraph_stats"]["others_cores"] is None  # no --adaptive-threads: no governor
     assert [r["system"] for r in report["results"]] == ["kvgraph"]
     assert report["kvgraph_vs_floor"] is None and "matmul floor" not in done.stdout
