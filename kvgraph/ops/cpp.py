@@ -32,7 +32,7 @@ import torch
 
 from kvgraph.errors import CacheInputError, CppKernelError
 from kvgraph.ops.plan import StepPlan, with_op_arguments
-from kvgraph.ops.schema import AttentionArgs
+from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ CAPABILITY_FLAGS = {
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+_library: torch.library.Library | None = None
 
 
 def choice() -> str:
@@ -81,6 +82,7 @@ def build() -> None:
         )
     from torch.utils import cpp_extension
 
+    _define_schema()
     level = capability()
     flags = ["-O3", "-fopenmp", "-std=c++17", *CAPABILITY_FLAGS.get(level, [])]
     try:
@@ -95,6 +97,16 @@ def build() -> None:
             )
     except Exception as e:  # the compiler's or loader's message, whatever its type
         raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
+
+
+def _define_schema() -> None:
+    """Define ``kvgraph_cpu::ragged_attention`` with the op's own :data:`~kvgraph.ops.schema.SCHEMA`
+    (once per process); the C++ library registers only its CPU implementation of it."""
+    global _library
+    if _library is None:
+        library = torch.library.Library("kvgraph_cpu", "DEF")
+        library.define("ragged_attention" + SCHEMA)
+        _library = library
 
 
 def extension_name(level: str, flags: list[str]) -> str:

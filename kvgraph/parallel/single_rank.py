@@ -22,13 +22,26 @@ def shard_as_rank_zero(model: nn.Module, world_size: int, params: KVCacheParams)
     """Split ``model`` in place as rank 0 of ``world_size`` ranks over a fake process group;
     returns rank 0's cache params. ``ConfigError`` or ``LoweringError`` when the model does not split."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     plan = ShardingPlan.of(model, world_size, params)
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        _register_fake_backend()
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
     plan.apply(model, init_device_mesh(params.device.type, (world_size,)))
     return plan.local_params(params, params.device)
+
+
+def _register_fake_backend() -> None:
+    """Register c10d's ``FakeProcessGroup`` as the ``fake`` backend unless it is already (PyTorch
+    registers it only when its test helpers are imported; the store is never used by it)."""
+    if dist.Backend.FAKE in dist.Backend.backend_list:
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common, options):
+        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, options)
+
+    dist.Backend.register_backend(dist.Backend.FAKE, create, extended_api=True, devices=["cpu", "cuda"])
 
 
 REDUCE_OPS = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)

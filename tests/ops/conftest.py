@@ -20,42 +20,42 @@ import torch
 import kvgraph.ops  # noqa: F401  (registers torch.ops.kvgraph.ragged_attention)
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.ops.reference import GOLDEN_TOLERANCE, naive_attention_fp64
+from kvgraph.ops.schema import AttentionArgs
 
 
 @dataclass
 class KVCase:
-    """One step of a ragged batch over a filled cache.
+    """One step of a ragged batch over a filled cache: the op's arguments and the history they hold.
+
+    The op's arguments (``q``, ``k``, ``v``, ``kv_blocks``, ``cache_lengths``, ``lookup_table``,
+    ``input_row_offsets``, ``max_lengths``, ``layer_idx``; see :class:`AttentionArgs`) read and
+    write as attributes of the case; ``kv_blocks`` holds every sequence's history.
 
     Attributes:
-        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (dtype).
-        kv_blocks: the cache, paged ``[pages, 2, L, page_size, Hkv, D]`` or continuous
-            ``[slots, 2, L, max_seq_len, Hkv, D]``, with every sequence's history written in.
-        cache_lengths: int32 ``[batch]``; lookup_table: int32 ``[batch, max_num_pages]`` or ``[batch]``;
-        input_row_offsets: int32 ``[batch + 1]``; max_lengths: int32 ``[1, 2]`` on the CPU.
-        layer_idx: the layer the step writes and reads.
+        call: the op's arguments (``scale`` and the later ones at their defaults).
         k_cached, v_cached: per sequence ``[cache_len_b, Hkv, D]``: the history in the cache.
         page_size: rows per page (paged) or None (continuous).
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    kv_blocks: torch.Tensor
-    cache_lengths: torch.Tensor
-    lookup_table: torch.Tensor
-    input_row_offsets: torch.Tensor
-    max_lengths: torch.Tensor
-    layer_idx: int
+    call: AttentionArgs
     k_cached: list[torch.Tensor]
     v_cached: list[torch.Tensor]
     page_size: int | None
 
+    def __getattr__(self, name: str):
+        if name in AttentionArgs._fields:
+            return getattr(self.__dict__.get("call"), name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in AttentionArgs._fields:
+            self.call = self.call._replace(**{name: value})
+        else:
+            super().__setattr__(name, value)
+
     def args(self) -> tuple:
         """The op's positional arguments (without ``scale``)."""
-        return (
-            self.q, self.k, self.v, self.kv_blocks, self.cache_lengths, self.lookup_table,
-            self.input_row_offsets, self.max_lengths, self.layer_idx,
-        )
+        return tuple(self.call)[: AttentionArgs._fields.index("scale")]
 
     def clone(self) -> KVCase:
         """A copy with its own ``kv_blocks``, so that each implementation writes a fresh cache."""
@@ -138,7 +138,7 @@ def make_case(
             perm = perm[n:]
     blocks = randn(*blocks_shape) if fill is None else torch.full(blocks_shape, fill, dtype=dtype)
     T = sum(n for _, n in lengths)
-    case = KVCase(
+    call = AttentionArgs(
         q=randn(T, n_heads, head_dim),
         k=randn(T, n_kv_heads, head_dim),
         v=randn(T, n_kv_heads, head_dim),
@@ -150,6 +150,9 @@ def make_case(
         max_lengths=torch.tensor([[max((n for _, n in lengths), default=0), max(totals, default=0)]],
                                  dtype=torch.int32),
         layer_idx=layer_idx,
+    )
+    case = KVCase(
+        call=call,
         k_cached=[randn(c, n_kv_heads, head_dim) for c, _ in lengths],
         v_cached=[randn(c, n_kv_heads, head_dim) for c, _ in lengths],
         page_size=page_size,
@@ -166,8 +169,10 @@ def _to_device(case: KVCase, device: torch.device) -> KVCase:
     if device.type == "cpu":
         return case
     moved = copy.copy(case)
-    for name in ("q", "k", "v", "kv_blocks", "cache_lengths", "lookup_table", "input_row_offsets"):
-        setattr(moved, name, getattr(case, name).to(device))
+    moved.call = AttentionArgs(*(
+        a.to(device) if isinstance(a, torch.Tensor) and name != "max_lengths" else a  # max_lengths stays on the CPU
+        for name, a in zip(AttentionArgs._fields, case.call, strict=True)
+    ))
     moved.k_cached = [t.to(device) for t in case.k_cached]
     moved.v_cached = [t.to(device) for t in case.v_cached]
     return moved

@@ -549,11 +549,6 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 }  // namespace
 }  // namespace kvgraph
 
-TORCH_LIBRARY(kvgraph_cpu, m) {
-  m.def(
-      "ragged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, Tensor cache_lengths, "
-      "Tensor lookup_table, Tensor input_row_offsets, Tensor max_lengths, int layer_idx, "
-      "float? scale=None, int? sliding_window=None, float? softcap=None) -> Tensor");
-}
-
+// The schema is kvgraph.ops.schema.SCHEMA, defined from Python (kvgraph/ops/cpp.py) before this
+// library is loaded; here only the CPU implementation is registered.
 TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) { m.impl("ragged_attention", &kvgraph::ragged_attention); }
