@@ -195,7 +195,8 @@ def test_increment_cache_lengths_for_multistep(kind):
     assert z.cache_lengths.tolist() == [5, 3] and z.max_lengths.tolist() == [[1, 6]]
     assert x.cache_lengths.tolist() == [3, 1]
     assert (m.cache_length(a), m.cache_length(b)) == (3, 1)
-    with pytest.raises(CacheInputError, match="no step remains"):
+    with raises_naming(CacheInputError, "max_lengths", "1 row(s)", "no step remains"):
+
         m.increment_cache_lengths([z], offsets)
     with raises_naming(CacheInputError, "input_row_offsets", "(2,)", "(3,)"):
         m.increment_cache_lengths([x], offsets[:2])
