@@ -3,6 +3,7 @@ import importlib
 import pytest
 
 import kvgraph
+from tests.naming import raises_naming
 
 
 @pytest.mark.parametrize("name", kvgraph.__all__)
@@ -13,5 +14,6 @@ def test_every_public_name_resolves_to_its_module(name):
 
 
 def test_unknown_names_raise_attribute_error():
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    with raises_naming(AttributeError, "'kvgraph'", "'nope'"):
+
         _ = kvgraph.nope

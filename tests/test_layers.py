@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 import kvgraph
+from tests.naming import raises_naming
 
 ROOT = Path(kvgraph.__file__).parent
 LAYERS = ("errors", "cache", "ops", "passes", "compiler", "engine", "parallel", "entrypoints")
@@ -172,9 +172,10 @@ def test_a_violating_edge_set_is_reported():
     ]
     assert upward(edges) == [edges[0]]
     assert cycles(edges) == [["kvgraph.cache.params", "kvgraph.engine.config"]]
-    with pytest.raises(AssertionError, match=r"kvgraph.cache.params:12 imports kvgraph.engine.config \(cache -> engine\)"):
+    with raises_naming(AssertionError, "kvgraph.cache.params:12", "kvgraph.engine.config", "(cache -> engine)"):
         check_layers(edges)
-    with pytest.raises(AssertionError, match=r"kvgraph.cache.params, kvgraph.engine.config: .*:12 .*; .*:3 "):
+    with raises_naming(AssertionError, "kvgraph.cache.params, kvgraph.engine.config", ":12", ":3"):
         check_acyclic(edges)
-    with pytest.raises(KeyError, match="kvgraph.utils is in no layer"):
+    with raises_naming(KeyError, "kvgraph.utils"):
+
         layer("kvgraph.utils")

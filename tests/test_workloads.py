@@ -2,6 +2,7 @@ import pytest
 
 from kvgraph.errors import ConfigError
 from kvgraph.workloads import FIRST_TOKEN, make_workload, workload_names
+from tests.naming import raises_naming
 
 
 def test_named_workloads_have_their_documented_shapes():
@@ -30,7 +31,8 @@ def test_workloads_are_seeded_and_stay_in_the_vocabulary(name):
 
 def test_max_new_tokens_override_and_bad_input():
     assert make_workload("mixed", num_requests=2, vocab_size=259, max_new_tokens=5).max_new_tokens == 5
-    with pytest.raises(ConfigError, match="unknown workload 'chat'"):
+    with raises_naming(ConfigError, "workload", "'chat'", ", ".join(workload_names())):
+
         make_workload("chat", num_requests=2, vocab_size=259)
     with pytest.raises(ConfigError, match=r"num_requests.*>= 1.*\b0\b"):
         make_workload("mixed", num_requests=0, vocab_size=259)

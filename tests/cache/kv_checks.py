@@ -21,6 +21,7 @@ from kvgraph.cache.managers import (
     PagedKVCacheManager,
 )
 from kvgraph.cache.params import KVCacheParams
+from tests.naming import raises_naming
 
 
 def paged_params(page_size: int = 4, prefix: bool = False, **kw) -> KVCacheParams:
@@ -161,10 +162,16 @@ def snapshot(manager: KVCacheManager) -> dict:
     return state
 
 
-def raises_unchanged(manager: KVCacheManager, error: type[Exception], fn, *args, match=None, **kwargs):
-    """Call ``fn``, expect ``error``, and check that ``manager`` is exactly as before."""
+def raises_unchanged(
+    manager: KVCacheManager, error: type[Exception], fn, *args, match=None, naming: Sequence[str] = (), **kwargs
+):
+    """Call ``fn``, expect ``error``, and check that ``manager`` is exactly as before.
+
+    ``match`` is a regex the message must match; ``naming``, fragments it must name
+    (see :func:`tests.naming.raises_naming`).
+    """
     before = snapshot(manager)
-    with pytest.raises(error, match=match):
+    with raises_naming(error, *naming) if naming else pytest.raises(error, match=match):
         fn(*args, **kwargs)
     assert_same_state(before, snapshot(manager))
 

@@ -14,6 +14,7 @@ from kvgraph.cache.collection import (
 )
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.errors import CacheInputError
+from tests.naming import raises_naming
 
 L, H, D = 3, 2, 4
 
@@ -51,11 +52,11 @@ def test_collection_for_picks_the_class_by_lookup_rank():
 def test_wrong_lookup_rank_raises():
     inputs = paged_inputs()
     inputs.lookup_table = inputs.lookup_table[..., None]
-    with pytest.raises(CacheInputError, match=r"rank 2 \(paged\) or 1 \(continuous\), got rank 3"):
+    with raises_naming(CacheInputError, "lookup_table", "rank 2 (paged)", "1 (continuous)", "rank 3"):
         collection_for(inputs)
-    with pytest.raises(CacheInputError, match=r"PagedKVCacheCollection needs a lookup_table of rank 2, got rank 1"):
+    with raises_naming(CacheInputError, "PagedKVCacheCollection", "lookup_table", "rank 2", "rank 1"):
         PagedKVCacheCollection.from_inputs(continuous_inputs())
-    with pytest.raises(CacheInputError, match=r"needs a lookup_table of rank 1, got rank 2"):
+    with raises_naming(CacheInputError, "ContinuousBatchingKVCacheCollection", "lookup_table", "rank 1", "rank 2"):
         ContinuousBatchingKVCacheCollection.from_inputs(paged_inputs())
 
 
@@ -70,24 +71,25 @@ def test_max_constructor_and_fields():
     p = paged_inputs()
     pc = PagedKVCacheCollection(p.blocks, p.cache_lengths, p.lookup_table, max_seq_length=3, max_cache_length=8)
     assert pc.get_key_cache(0).page_size == 4 and pc.batch_size == 2
-    with pytest.raises(CacheInputError, match=r"cache_lengths must be \[batch\]"):
+    with raises_naming(CacheInputError, "cache_lengths", "[batch]", "batch 2", "(1,)"):
         PagedKVCacheCollection(p.blocks, p.cache_lengths[:1], p.lookup_table, 3, 8)
 
 
 def test_bad_blocks_and_max_lengths_raise():
     inputs = paged_inputs()
     inputs.blocks = inputs.blocks[:, :1]
-    with pytest.raises(CacheInputError, match=r"blocks must be \[N, 2, num_layers, rows, Hkv, D\]"):
+    with raises_naming(CacheInputError, "blocks", "[N, 2, num_layers, rows, Hkv, D]"):
         collection_for(inputs)
     inputs = paged_inputs()
     inputs.max_lengths = i32([3, 8])
-    with pytest.raises(CacheInputError, match=r"max_lengths must be \[num_steps >= 1, 2\], got shape \(2,\)"):
+    with raises_naming(CacheInputError, "max_lengths", "[num_steps >= 1, 2]", "(2,)"):
         collection_for(inputs)
 
 
 @pytest.mark.parametrize("layer", [-1, L])
 def test_layer_out_of_range_raises(layer):
-    with pytest.raises(CacheInputError, match=rf"layer_idx {layer} out of range: the cache has {L} layers"):
+    with raises_naming(CacheInputError, f"layer_idx {layer}", f"{L} layers"):
+
         collection_for(paged_inputs()).get_key_cache(layer)
 
 

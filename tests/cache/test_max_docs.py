@@ -29,6 +29,7 @@ from kvgraph import (
     PagedKVCacheManager,
     TensorType,
 )
+from tests.naming import raises_naming
 
 L, H, D = 2, 2, 4
 MAX_BATCH, MAX_SEQ = 4, 32
@@ -155,7 +156,7 @@ def test_sizing_classmethods_positional_and_keyword(cls):
     assert batch == cls.infer_optimal_batch_size(
         params=p, max_seq_len=MAX_SEQ, num_layers=L, available_cache_memory=memory, devices=devices
     ) == memory // (MAX_SEQ * p.bytes_per_token)
-    with pytest.raises(KVCacheError, match="num_layers=3 disagrees with params.num_layers=2"):
+    with raises_naming(KVCacheError, "num_layers=3", "params.num_layers=2"):
         cls.infer_optimal_batch_size(p, MAX_SEQ, 3, memory, devices)
 
 
@@ -205,17 +206,17 @@ def test_params_n_devices_and_model_default():
                       cache_strategy=KVCacheStrategy.MODEL_DEFAULT)
     assert p.n_devices == 4 and p.n_kv_heads_per_device == 2
     assert p.cache_strategy is KVCacheStrategy.PAGED
-    with pytest.raises(KVCacheError, match="n_kv_heads=8 does not split across n_devices=3"):
+    with raises_naming(KVCacheError, "n_kv_heads=8", "n_devices=3"):
         KVCacheParams(dtype=torch.float32, n_kv_heads=8, head_dim=64, num_layers=2, n_devices=3)
 
 
 def test_constructor_checks_num_layers_and_devices():
     p = params()
-    with pytest.raises(KVCacheError, match="num_layers=5 disagrees with params.num_layers=2"):
+    with raises_naming(KVCacheError, "num_layers=5", "params.num_layers=2"):
         PagedKVCacheManager(p, MAX_BATCH, MAX_SEQ, 5, [torch.device("cpu")], None, 1 << 16)
-    with pytest.raises(KVCacheError, match="devices lists 2 device"):
+    with raises_naming(KVCacheError, "devices", "2 device(s)", "params.n_devices=1"):
         PagedKVCacheManager(p, MAX_BATCH, MAX_SEQ, L, ["cpu", "cpu"], None, 1 << 16)
-    with pytest.raises(KVCacheError, match="n_devices=2 needs devices"):
+    with raises_naming(KVCacheError, "params.n_devices=2", "devices", "2 devices"):
         PagedKVCacheManager(params(n_devices=2), MAX_BATCH, MAX_SEQ, num_pages=4)
 
 
@@ -223,9 +224,10 @@ def test_constructor_checks_num_layers_and_devices():
 def test_fetch_of_a_bare_seq_id_names_the_expected_type(index):
     m = managers()[index]
     m.claim(1)
-    with pytest.raises(kvgraph.BatchTypeError, match=r"batch\[0\] is int 1; expected a KVRequest"):
+    with raises_naming(kvgraph.BatchTypeError, "batch[0]", "int 1", "KVRequest"):
         m.fetch([1])
-    with pytest.raises(TypeError, match="a batch is a list of KVRequest"):
+    with raises_naming(TypeError, "batch", "list", "KVRequest"):
+
         m.step(KVRequest(0, [1]))
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvgraph import InvalidParamsError, KVCacheError, KVCacheParams, KVCacheStrategy
+from tests.naming import raises_naming
 
 
 def test_defaults_are_paged_with_page_size_16():
@@ -24,29 +25,30 @@ def test_strategy_parses_strings():
     p = KVCacheParams(torch.float32, 1, 8, 1, page_size=None, cache_strategy="continuous")
     assert p.cache_strategy is KVCacheStrategy.CONTINUOUS
     assert not p.is_paged
-    with pytest.raises(InvalidParamsError, match="page_bytes needs a page_size"):
+    with raises_naming(InvalidParamsError, "page_bytes", "page_size"):
         _ = p.page_bytes
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, names",
     [
-        (dict(n_kv_heads=0), r"n_kv_heads.*positive.*\b0\b"),
-        (dict(head_dim=-64), r"head_dim.*positive.*\-64\b"),
-        (dict(num_layers=2.0), r"num_layers.*positive.*\b2\.0\b"),
-        (dict(page_size=0), r"page_size.*positive.*\b0\b"),
-        (dict(page_size=None), "page_size is required for the PAGED strategy"),
-        (dict(dtype=torch.int32), "dtype must be a floating torch.dtype"),
-        (dict(cache_strategy="ring"), "unknown cache strategy 'ring'"),
+        (dict(n_kv_heads=0), ("n_kv_heads", "positive", "0")),
+        (dict(head_dim=-64), ("head_dim", "positive", "-64")),
+        (dict(num_layers=2.0), ("num_layers", "positive", "2.0")),
+        (dict(page_size=0), ("page_size", "positive", "0")),
+        (dict(page_size=None), ("page_size", "PAGED", "None")),
+        (dict(dtype=torch.int32), ("dtype", "floating", "torch.int32")),
+        (dict(cache_strategy="ring"), ("cache strategy", "'ring'")),
         (
             dict(cache_strategy="continuous", enable_prefix_caching=True),
-            "enable_prefix_caching=True needs cache_strategy=PAGED, got continuous",
+            ("enable_prefix_caching=True", "cache_strategy=PAGED", "continuous"),
         ),
     ],
 )
-def test_invalid_params_name_the_value(kwargs, message):
+def test_invalid_params_name_the_value(kwargs, names):
     base = dict(dtype=torch.float32, n_kv_heads=2, head_dim=8, num_layers=2)
-    with pytest.raises(InvalidParamsError, match=message) as info:
+    with raises_naming(InvalidParamsError, *names) as info:
+
         KVCacheParams(**{**base, **kwargs})
     assert isinstance(info.value, KVCacheError)
     assert isinstance(info.value, ValueError)

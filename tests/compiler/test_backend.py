@@ -19,6 +19,7 @@ from kvgraph import (
 )
 from kvgraph.compiler.backend import GraphRunner, copy_graph_module, kvgraph_backend
 from kvgraph.compiler.step import prepare_step, run_step
+from tests.naming import raises_naming
 
 VOCAB, DIM, HQ, HKV, LAYERS = 61, 32, 4, 2, 2
 HEAD_DIM = DIM // HQ
@@ -218,7 +219,7 @@ def test_eager_inner_mutates_the_cache_without_cache_sized_copies(model):
 def test_compiled_model_without_binding_says_how_to_bind(model):
     compiled = kvgraph.compile(model, inner="eager")
     ids, pos, _ = prepare_step([[1, 2]], [0])
-    with pytest.raises(BindingError, match=r"without bound KV cache inputs: call it inside `with kvgraph\.bind"):
+    with raises_naming(BindingError, "bound KV cache inputs", "`with kvgraph.bind"):
         compiled(input_ids=ids, position_ids=pos)
     assert counters["kvgraph"]["graphs"] == 0
 
@@ -275,8 +276,8 @@ def test_a_bound_cache_that_does_not_fit_the_graph_names_both_sides(model, wrong
 def test_a_manager_compiled_model_refuses_another_layout(model):
     compiled = kvgraph.compile(model, manager=manager("paged", 4), inner="eager")
     decode(compiled, compiled.manager, steps=0)
-    with pytest.raises(BindingError, match="bound KV cache is continuous on cpu, but the graph was compiled for "
-                                           r"paged, page_size=4 on cpu \(model tensors on cpu\)"):
+    with raises_naming(BindingError, "bound KV cache", "continuous on cpu", "paged, page_size=4 on cpu",
+                       "(model tensors on cpu)"):
         decode(compiled, manager("continuous"), steps=0)
 
 
@@ -288,7 +289,7 @@ def test_a_cache_on_another_device_is_refused(model):
     )
     ids, pos, _ = prepare_step([[1, 2]], [0])
     offsets = torch.tensor([0, 2], dtype=torch.int32, device="meta")
-    with pytest.raises(BindingError, match="bound KV cache is on meta, but the model's tensors are on cpu"):
+    with raises_naming(BindingError, "bound KV cache", "on meta", "model's tensors", "on cpu"):
         with kvgraph.bind(kv, offsets):
             compiled(input_ids=ids, position_ids=pos)
 
@@ -321,7 +322,8 @@ def test_lowering_works_on_a_copy_and_leaves_dynamo_graph_as_captured(model):
 def test_unknown_backend_options_are_refused(model):
     compiled = torch.compile(model, backend="kvgraph", options={"inner": "eager", "page_size": 4})
     ids, pos, _ = prepare_step([[1, 2]], [0])
-    with pytest.raises(Exception, match=r"unknown kvgraph backend options \['page_size'\]"):
+    with raises_naming(Exception, "kvgraph backend options", "['page_size']"):
+
         compiled(ids, pos)
 
 

@@ -3,6 +3,7 @@ import torch
 
 from kvgraph import BatchSizeError
 from kvgraph.compiler.step import StepInputs, prepare_step
+from tests.naming import raises_naming
 
 
 def test_prepare_step_flattens_tokens_positions_and_offsets():
@@ -28,13 +29,14 @@ def test_prepare_step_one_token():
 
 
 @pytest.mark.parametrize(
-    "tokens, lengths, match",
+    "tokens, lengths, names",
     [
-        ([], [], "empty batch"),
-        ([[1], []], [0, 0], "sequence 1 of the batch has no new tokens"),
-        ([[1], [2]], [0], "cache_lengths has 1 entries but the batch has 2 sequences"),
+        ([], [], ("empty batch",)),
+        ([[1], []], [0, 0], ("sequence 1", "no new tokens")),
+        ([[1], [2]], [0], ("cache_lengths", "1 entries", "2 sequences")),
     ],
 )
-def test_prepare_step_rejects_bad_batches(tokens, lengths, match):
-    with pytest.raises(BatchSizeError, match=match):
+def test_prepare_step_rejects_bad_batches(tokens, lengths, names):
+    with raises_naming(BatchSizeError, *names):
+
         prepare_step(tokens, lengths)

@@ -8,6 +8,7 @@ import torch
 from kvgraph.engine.loading import load_model
 from kvgraph.errors import ConfigError
 from kvgraph.presets import save_preset
+from tests.naming import raises_naming
 
 
 class Payload:
@@ -45,7 +46,7 @@ def test_the_payload_runs_when_unpickled_plainly(tmp_path):
 def test_a_malicious_pickle_is_refused_and_never_runs(checkpoint, tmp_path):
     marker = tmp_path / "ran"
     directory = _with_bin(checkpoint, tmp_path, pickle.dumps({"model.embed_tokens.weight": Payload(marker)}), False)
-    with pytest.raises(ConfigError, match=f"checkpoint directory '{directory}' could not be loaded"):
+    with raises_naming(ConfigError, "checkpoint directory", f"'{directory}'", "could not be loaded"):
         load_model(directory)
     assert not marker.exists()
 
@@ -80,6 +81,7 @@ def test_checkpoint_code_never_runs_without_trust_remote_code(checkpoint, tmp_pa
     config = (directory / "config.json").read_text()
     (directory / "config.json").write_text(
         config.replace("{", '{"auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"},', 1))
-    with pytest.raises(ConfigError, match="ships its own model code"):
+    with raises_naming(ConfigError, "checkpoint directory", "config.json auto_map", "trust_remote_code=True"):
+
         load_model(directory)
     assert not marker.exists()

@@ -12,6 +12,7 @@ import transformers as T
 import kvgraph
 from kvgraph import LoweringError
 from tests.models.tiny_models import COMMON, VOCAB, _build, reference_greedy
+from tests.naming import raises_naming
 
 EAGER = "eager"  # architectures without an SDPA implementation in transformers
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -50,7 +51,7 @@ ARCHITECTURES = {
 }
 REFUSED = {
     "bloom": (T.BloomConfig, T.BloomForCausalLM, dict(n_embed=64, n_layer=2, n_head=4, attn_implementation=EAGER),
-              r"softmax over \[\.\.\., T, T\] scores that do not come from matmul"),  # ALiBi
+              ("softmax", "[..., T, T] scores", "matmul")),  # ALiBi
 }
 
 
@@ -74,6 +75,7 @@ def test_ragged_generation_equals_generate(name):
 def test_attention_that_cannot_be_proven_is_refused_by_node(name):
     model = build(name, REFUSED)
     llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=32)
-    with pytest.raises(LoweringError, match=r"cannot lower attention node '\w+' .*" + REFUSED[name][3]):
+    with raises_naming(LoweringError, "attention node '", *REFUSED[name][3]):
+
         llm.generate([[1, 2, 3]], kvgraph.SamplingParams(max_new_tokens=2))
     assert llm.manager.num_claimed == 0

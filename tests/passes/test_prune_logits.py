@@ -8,6 +8,7 @@ import torch
 from kvgraph.errors import LoweringError
 from kvgraph.passes import lower, prune_logits
 from kvgraph.passes.graph_view import meta_value
+from tests.naming import raises_naming
 from tests.passes.lowering_helpers import (
     VOCAB,
     RaggedCache,
@@ -93,7 +94,8 @@ def test_pruned_variants_match_eager_per_sequence(kind):
 
 def test_last_token_only_graph_without_pruning_is_refused():
     gm = capture(Variant("last"), **model_kwargs()).fresh()
-    with pytest.raises(LoweringError, match="keeps only the last token's logits"):
+    with raises_naming(LoweringError, "last token's logits", "prune_logits=True"):
+
         lower(gm, prune_logits=False)
 
 

@@ -10,6 +10,7 @@ from kvgraph.cache.managers import (
     load_kv_manager,
 )
 from tests.cache.kv_checks import continuous_params, paged_params
+from tests.naming import raises_naming
 
 
 def test_continuous_strategy_gives_slots():
@@ -41,7 +42,8 @@ def test_max_positional_call():
 
 
 def test_continuous_rejects_paged_options():
-    with pytest.raises(InvalidParamsError, match="num_pages=5 needs cache_strategy=paged"):
+    with raises_naming(InvalidParamsError, "num_pages=5", "cache_strategy=paged", "continuous"):
+
         load_kv_manager(continuous_params(), 3, 10, num_pages=5)
     with pytest.raises(InvalidParamsError):
         load_kv_manager(continuous_params(), 0, 10)

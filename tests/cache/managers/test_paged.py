@@ -16,6 +16,7 @@ from tests.cache.kv_checks import (
     snapshot,
     write_steps,
 )
+from tests.naming import raises_naming
 
 
 def _prefill(m, seq_id, tokens, num_steps=1):
@@ -29,13 +30,13 @@ def _prefill(m, seq_id, tokens, num_steps=1):
 
 def test_constructor_takes_exactly_one_pool_size():
     params = paged_params(page_size=4)
-    with pytest.raises(InvalidParamsError, match="exactly one of num_pages or cache_memory"):
+    with raises_naming(InvalidParamsError, "exactly one", "num_pages=None", "cache_memory=None"):
         PagedKVCacheManager(params, 2, 8)
     with pytest.raises(InvalidParamsError, match="exactly one"):
         PagedKVCacheManager(params, 2, 8, num_pages=4, cache_memory=10**6)
     with pytest.raises(InvalidParamsError, match=r"num_pages.*positive.*\b0\b"):
         PagedKVCacheManager(params, 2, 8, num_pages=0)
-    with pytest.raises(InvalidParamsError, match=f"holds no page of page_bytes={params.page_bytes}"):
+    with raises_naming(InvalidParamsError, f"cache_memory={params.page_bytes - 1}", f"page_bytes={params.page_bytes}"):
         PagedKVCacheManager(params, 2, 8, cache_memory=params.page_bytes - 1)
     with pytest.raises(InvalidParamsError, match="cache_strategy=paged"):
         PagedKVCacheManager(continuous_params(), 2, 8, num_pages=4)
@@ -98,7 +99,8 @@ def test_out_of_pages_after_can_fetch_false_leaves_state_unchanged():
     batch = [KVRequest(b, list(range(8)))]  # 2 pages, 1 free
     assert not m.can_fetch(batch)
     before = snapshot(m)
-    with pytest.raises(OutOfPagesError, match="1 more than the pool can give"):
+    with raises_naming(OutOfPagesError, "2 new pages", "1 more", "1 free", "page_size=4"):
+
         m.fetch(batch)
     assert_same_state(before, snapshot(m))
     assert batch[0].cached_tokens == 0

@@ -10,6 +10,7 @@ from kvgraph.entrypoints.cli.graph_render import parse_mlir
 from kvgraph.entrypoints.cli.graph_svg import svg
 from kvgraph.entrypoints.cli.report import plot
 from kvgraph.errors import MissingExtraError
+from tests.naming import raises_naming
 
 
 def test_serve_without_fastapi_names_the_serve_extra(monkeypatch, capsys):
@@ -26,5 +27,6 @@ def test_serve_without_fastapi_names_the_serve_extra(monkeypatch, capsys):
 ])
 def test_a_missing_extra_is_a_typed_error_naming_it(feature, missing, extra, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, missing, None)
-    with pytest.raises(MissingExtraError, match=rf"needs the '{extra}' extra: pip install 'kvgraph\[{extra}\]'"):
+    with raises_naming(MissingExtraError, f"'{extra}' extra", f"pip install 'kvgraph[{extra}]'"):
+
         feature(tmp_path)

@@ -7,6 +7,7 @@ import kvgraph.ops.triton.decode as decode
 from kvgraph.errors import CacheInputError
 from kvgraph.ops.triton import decode_attention
 from kvgraph.ops.triton.decode import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
+from tests.naming import raises_naming
 from tests.ops.triton.triton_cases import (
     BF16,
     DEVICE,
@@ -154,7 +155,8 @@ def test_decode_rejects_a_prefill_batch_and_leaves_cache_unchanged(make_kv_case)
     before = case.kv_blocks.clone()
     with pytest.raises(CacheInputError, match=r"max_lengths\[0, 0\] = 2"):
         decode_attention(*case.args())
-    with pytest.raises(CacheInputError, match="num_splits must be an int in"):
+    with raises_naming(CacheInputError, "num_splits", f"[1, {MAX_SPLITS}]", str(MAX_SPLITS + 1)):
+
         decode_attention(*make_kv_case([(3, 1)], device=DEVICE).args(), num_splits=MAX_SPLITS + 1)
     assert torch.equal(case.kv_blocks, before)
 

@@ -5,6 +5,7 @@ import torch
 
 from kvgraph.errors import CacheInputError
 from kvgraph.ops.triton import store_kv
+from tests.naming import raises_naming
 from tests.ops.triton.triton_cases import BF16, DEVICE, gpu
 
 # new prompt, decode step, prompt crossing pages, no new token, page filled exactly
@@ -43,7 +44,8 @@ def test_store_skips_unused_lookup_entries(make_kv_case):
 def test_store_rejects_mismatched_heads_and_leaves_cache_unchanged(make_kv_case):
     case = make_kv_case([(2, 3)], device=DEVICE)
     before = case.kv_blocks.clone()
-    with pytest.raises(CacheInputError, match="does not match k/v heads"):
+    with raises_naming(CacheInputError, "kv_blocks [.., Hkv, D] = (2, 16)", "k/v heads 4"):
+
         store_kv(case.q, case.q, case.kv_blocks, case.cache_lengths, case.lookup_table,
                  case.input_row_offsets, case.max_lengths, case.layer_idx)
     assert torch.equal(case.kv_blocks, before)
