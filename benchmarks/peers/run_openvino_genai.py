@@ -1,0 +1,129 @@
+"""One timed run of OpenVINO GenAI's ``ContinuousBatchingPipeline`` on prompts given as token ids.
+
+Runs inside the peer virtualenv (``benchmarks/peers.py`` says how to create it) and imports nothing
+of kvgraph; ``benchmarks/peers.py`` starts it once per round:
+
+    /work/peers/openvino/bin/python benchmarks/peers/run_openvino_genai.py --model-dir OV_DIR --request REQ.json
+
+``OV_DIR`` is a model exported by ``optimum-cli export openvino --weight-format fp32`` (with its
+converted tokenizer). ``REQ.json`` holds ``prompts`` (lists of token ids), ``max_new_tokens``,
+``max_num_seqs``, ``max_num_batched_tokens`` and ``threads``. The pipeline: paged attention,
+``dynamic_split_fuse``, prefix caching off, fp32 weights, activations (``INFERENCE_PRECISION_HINT``)
+and KV cache (``KV_CACHE_PRECISION``, ``KEY_CACHE_PRECISION``, ``VALUE_CACHE_PRECISION``), greedy,
+exactly ``max_new_tokens`` per request (EOS ignored), every request submitted at once in one
+``generate`` call. Before the timed call, a warm-up like ``LLM.warmup`` (3 short requests); the
+pipeline's build and the warm-up are timed apart. Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino_genai as ov_genai
+
+F32 = "f32"
+PRECISION_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
+REPORTED_KEYS = (*PRECISION_KEYS, "INFERENCE_NUM_THREADS", "NUM_STREAMS", "PERFORMANCE_HINT")
+
+
+def properties(threads: int) -> dict:
+    return {**{key: F32 for key in PRECISION_KEYS}, "INFERENCE_NUM_THREADS": threads}
+
+
+def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """Whole GB of fp32 KV cache for every request at its full length, with room for page rounding."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
+    tokens = sum(len(p) + max_new_tokens + 32 for p in prompts)  # + a page per request
+    return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
+
+
+def scheduler_config(request: dict, cache_gb: int) -> ov_genai.SchedulerConfig:
+    config = ov_genai.SchedulerConfig()
+    config.cache_size = cache_gb
+    config.max_num_batched_tokens = request["max_num_batched_tokens"]
+    config.max_num_seqs = request["max_num_seqs"]
+    config.dynamic_split_fuse = True
+    config.enable_prefix_caching = False
+    return config
+
+
+def greedy(max_new_tokens: int) -> ov_genai.GenerationConfig:
+    config = ov_genai.GenerationConfig()
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    config.min_new_tokens = max_new_tokens
+    config.ignore_eos = True
+    return config
+
+
+def generate(pipe, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
+    inputs = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
+    configs = [greedy(max_new_tokens)] * len(prompts)
+    start = time.perf_counter()
+    results = pipe.generate(inputs, configs)
+    elapsed = time.perf_counter() - start
+    return [list(r.m_generation_ids[0]) for r in results], elapsed
+
+
+def resolved_properties(model_dir: Path, props: dict) -> dict:
+    """What the CPU plugin makes of ``props`` (the pipeline compiles its model with the same ones;
+    it does not expose its compiled model, so this compiles the exported model once more)."""
+    compiled = ov.Core().compile_model(model_dir / "openvino_model.xml", "CPU", props)
+    out = {}
+    for key in REPORTED_KEYS:
+        try:
+            value = compiled.get_property(key)
+        except RuntimeError:
+            out[key] = None
+            continue
+        out[key] = value.to_string() if isinstance(value, ov.Type) else str(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--request", type=Path, required=True)
+    args = parser.parse_args()
+    request = json.loads(args.request.read_text())
+    prompts, new = request["prompts"], request["max_new_tokens"]
+    cache_gb = kv_cache_gb(args.model_dir, prompts, new)
+    props = properties(request["threads"])
+
+    start = time.perf_counter()
+    pipe = ov_genai.ContinuousBatchingPipeline(
+        args.model_dir, scheduler_config(request, cache_gb), "CPU", props
+    )
+    build_s = time.perf_counter() - start
+    _, warm_a = generate(pipe, [[0, 0, 0], [0, 0]], 3)
+    _, warm_b = generate(pipe, [[0, 0, 0]], 3)
+    outputs, wall_s = generate(pipe, prompts, new)
+
+    print(json.dumps({
+        "engine": "openvino-genai ContinuousBatchingPipeline",
+        "versions": {"openvino": ov.__version__, "openvino_genai": ov_genai.__version__},
+        "device": ov.Core().get_property("CPU", "FULL_DEVICE_NAME"),
+        "build_s": round(build_s, 4), "warmup_s": round(warm_a + warm_b, 4), "wall_s": round(wall_s, 4),
+        "generated_tokens": [len(o) for o in outputs], "outputs": outputs,
+        "scheduler": {
+            "cache_size_gb": cache_gb, "max_num_batched_tokens": request["max_num_batched_tokens"],
+            "max_num_seqs": request["max_num_seqs"], "dynamic_split_fuse": True,
+            "enable_prefix_caching": False,
+        },
+        "properties_requested": props,
+        "properties_resolved": resolved_properties(args.model_dir, props),
+    }))
+
+
+if __name__ == "__main__":
+    main()

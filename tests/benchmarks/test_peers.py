@@ -1,0 +1,102 @@
+"""``benchmarks/peers.py`` without the peer virtualenv: what it hands the OpenVINO script is the
+kvgraph workload itself, the peer script stays clear of kvgraph, and a missing virtualenv is
+answered with one line that says how to create it."""
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgraph.presets import VOCAB_SIZE
+from kvgraph.workloads import make_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "benchmarks" / "peers.py"
+PEER = ROOT / "benchmarks" / "peers" / "run_openvino_genai.py"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("benchmarks_peers", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("name", "requests", "new", "expected_n", "expected_new"), [
+    ("mixed", 8, None, 8, 64),
+    ("decode-heavy", 8, None, 4, 128),  # as cpu_serving.py: half the requests, 128 new tokens
+    ("mixed", 8, 5, 8, 5),
+])
+def test_peer_request_is_the_kvgraph_workload(peers, name, requests, new, expected_n, expected_new):
+    workload = peers.build_workload(name, requests, VOCAB_SIZE, new)
+    assert workload == make_workload(name, num_requests=expected_n, vocab_size=VOCAB_SIZE, seed=0,
+                                     max_new_tokens=expected_new)
+    request = json.loads(json.dumps(peers.peer_request(workload, max_batch_size=64, threads=2)))
+    assert request["prompts"] == workload.prompts
+    assert request["max_new_tokens"] == workload.max_new_tokens == expected_new
+    assert (request["max_num_seqs"], request["max_num_batched_tokens"], request["threads"]) == (64, 2048, 2)
+
+
+def test_peer_script_reads_exactly_what_the_driver_writes(peers):
+    read = set(re.findall(r'request\["(\w+)"\]', PEER.read_text()))
+    workload = make_workload("mixed", num_requests=2, vocab_size=VOCAB_SIZE)
+    assert read == set(peers.peer_request(workload, max_batch_size=4, threads=1))
+
+
+def test_peer_script_does_not_import_kvgraph():
+    tree = ast.parse(PEER.read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(name.split(".")[0] == "kvgraph" for name in imported)
+    assert "openvino_genai" in imported
+
+
+def test_peer_env_leaves_kvgraph_out_and_stays_offline(peers, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    env = peers.peer_env()
+    assert "PYTHONPATH" not in env
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_agreement_counts_requests_and_tokens_before_the_first_difference(peers):
+    result = peers.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]])
+    assert result == {"identical_requests": 1, "requests": 3, "fraction_identical": 0.3333,
+                      "tokens_before_first_difference": 4, "tokens": 9}
+
+
+def test_missing_venv_is_one_line_with_the_commands(peers, tmp_path):
+    with pytest.raises(SystemExit) as err:
+        peers.check_peer_python(tmp_path / "none" / "bin" / "python")
+    message = str(err.value)
+    assert "\n" not in message
+    assert str(tmp_path / "none" / "bin" / "python") in message
+    assert "python3 -m venv /work/peers/openvino" in message
+    assert "pip install torch==2.13.0" in message and "openvino-genai" in message
+
+
+def test_venv_without_openvino_genai_is_named(peers):
+    if importlib.util.find_spec("openvino_genai") is not None:
+        pytest.skip("this interpreter has openvino_genai")
+    with pytest.raises(SystemExit, match="cannot import openvino_genai.*python3 -m venv"):
+        peers.check_peer_python(Path(sys.executable))
+
+
+def test_script_exits_before_any_work_without_the_venv(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(DRIVER), "--model", "llama-tiny", "--peer-python", str(tmp_path / "python"),
+         "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.strip().startswith("peer virtualenv missing:")
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "cache").exists()
