@@ -444,12 +444,13 @@ class KVCacheManager(abc.ABC):
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise InvalidParamsError(f"num_steps must be a positive int, got {num_steps!r}")
         seqs = self._check_batch(batch)
-        for req, seq in zip(batch, seqs, strict=True):
+        for seq in seqs:  # before any length: a batch with a pending sequence is a misuse whatever else
             if seq.reserved is not None:
                 raise StepError(
                     f"seq {seq.seq_id} was fetched and not stepped: call step() with its request to "
                     f"commit the tokens that fetch wrote (or release it) before fetching it again"
                 )
+        for req, seq in zip(batch, seqs, strict=True):
             total = seq.length + len(req.tokens) + num_steps - 1
             if total > self.max_seq_len:
                 raise SequenceLengthError(
