@@ -46,14 +46,15 @@ def encode_prompt(prompt: Prompt, tokenizer: object | None, vocab_size: int | No
 
 
 def check_sampling(sampling: SamplingParams | None, vocab_size: int | None) -> SamplingParams:
-    """``sampling`` (default ``SamplingParams()``); ``RequestError`` for another type or a stop
-    token outside ``[0, vocab_size)``."""
+    """``sampling`` (default ``SamplingParams()``); ``RequestError`` for another type, or a stop
+    or ``logit_bias`` token outside ``[0, vocab_size)``."""
     sampling = sampling if sampling is not None else SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    for t in sampling.stop_token_ids:
+    named = [("stop token", t) for t in sampling.stop_token_ids] + [("logit_bias token", t) for t, _ in sampling.logit_bias]
+    for what, t in named:
         if vocab_size is not None and t >= vocab_size:
-            raise RequestError(f"stop token {t} is not an id in [0, {vocab_size})")
+            raise RequestError(f"{what} {t} is not an id in [0, {vocab_size})")
     return sampling
 
 
