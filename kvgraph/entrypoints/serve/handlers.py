@@ -141,7 +141,7 @@ async def _start(s: ServeState, body: GenerationFields, prompt: Prompt, max_toke
         logit_bias=body.token_bias, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
     )
     handle = await s.engine.submit(prompt, sampling)
-    return Generation(handle, StopStrings(body.stop))
+    return Generation(handle, StopStrings(body.stop), min_tokens=body.min_tokens)
 
 
 def _check_model(s: ServeState, model: str | None) -> None:

@@ -28,10 +28,12 @@ class Piece:
 
 @dataclass
 class Generation:
-    """One request's output as it is read: ``num_tokens`` generated so far."""
+    """One request's output as it is read: ``num_tokens`` generated so far; the text of the first
+    ``min_tokens`` is not searched for stop strings (as the EOS, they cannot end it there)."""
 
     handle: RequestHandle
     stops: StopStrings
+    min_tokens: int = 0
     num_tokens: int = 0
 
     async def pieces(self) -> AsyncIterator[Piece]:
@@ -42,7 +44,7 @@ class Generation:
             async for event in self.handle:
                 self.num_tokens += 1
                 events.append(event)
-                text, stopped = self.stops.feed(event.text or "")
+                text, stopped = self.stops.feed(event.text or "", armed=self.num_tokens > self.min_tokens)
                 if stopped:
                     self.handle.abort("stop")
                     yield Piece(text, "stop", events)

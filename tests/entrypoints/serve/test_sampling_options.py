@@ -54,6 +54,17 @@ def test_min_tokens_holds_back_the_eos(client, reference):
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "stop"
 
 
+def test_stop_strings_wait_for_min_tokens(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    full = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[1]  # in the first tokens' text: it would end the answer there
+    cut = client.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True}).choices[0].text
+    held = client.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 6})
+    assert cut == full[: full.index(stop)]
+    assert len(held.choices[0].text) > len(cut) + 1 and full.startswith(held.choices[0].text)
+    assert held.usage.completion_tokens > 6
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_completion_logprobs_equal_the_model_s(client, reference, temperature):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=temperature, seed=5,
