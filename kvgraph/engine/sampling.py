@@ -129,7 +129,10 @@ def _is_number(value: object) -> bool:
 
 def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` as ``((id, bias), ...)`` sorted by id; ``ConfigError`` for an id that is not an int >= 0."""
-    pairs = dict(bias.items() if isinstance(bias, Mapping) else bias)
+    try:
+        pairs = dict(bias.items() if isinstance(bias, Mapping) else bias)
+    except (TypeError, ValueError):
+        raise ConfigError(f"logit_bias must map token ids to biases, got {bias!r}") from None
     for token in pairs:
         if not _is_int(token) or token < 0:
             raise ConfigError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")

@@ -78,6 +78,7 @@ def test_sampling_follows_the_distribution():
         (dict(logit_bias={5: 101.0}), r"logit_bias of token 5 must be in \[-100.0, 100.0\], got 101.0"),
         (dict(logit_bias={-1: 1.0}), r"logit_bias keys must be token ids \(ints >= 0\), got -1"),
         (dict(logit_bias={"7": 1.0}), r"logit_bias keys must be token ids \(ints >= 0\), got '7'"),
+        (dict(logit_bias=5), r"logit_bias must map token ids to biases, got 5"),
         (dict(min_tokens=5, max_new_tokens=4), r"min_tokens must be an int in \[0, max_new_tokens=4\], got 5"),
         (dict(min_tokens=-1), r"min_tokens must be an int in \[0, max_new_tokens=16\], got -1"),
         (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\], got 21"),

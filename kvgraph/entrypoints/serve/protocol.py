@@ -168,6 +168,10 @@ class ChatCompletionRequest(GenerationFields):
     def _max_tokens_alias(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         return self
