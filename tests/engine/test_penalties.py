@@ -93,12 +93,14 @@ def test_min_tokens_leaves_eos_alone_with_ignore_eos():
 
 
 def test_advance_counts_the_new_tokens():
-    logits = torch.zeros(1, V)
-    p = SamplingParams(frequency_penalty=1.0, repetition_penalty=2.0)
-    processor = LogitsProcessor.build([p], [_row()], V, CPU)
-    processor.advance(torch.tensor([6]))
-    processor.advance(torch.tensor([6]))
-    assert processor(logits)[0, 6].item() == -2.0
+    logits = torch.ones(2, V)
+    params = [SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=2.0), SamplingParams()]
+    processor = LogitsProcessor.build(params, [_row(), _row()], V, CPU)
+    processor.advance(torch.tensor([6, 6]))
+    processor.advance(torch.tensor([6, 3]))
+    out = processor(logits)
+    assert out[0, 6].item() == 0.5 - 2.0 - 0.5  # halved, twice generated, present
+    assert out[0, 3].item() == 1.0 and torch.equal(out[1], logits[1])
 
 
 MIXED = [
