@@ -1,5 +1,5 @@
 """The continuous-batching engine (``kvgraph.engine.llm_engine.LLMEngine``), its ``EngineConfig``, and
-the request types: ``SamplingParams``, ``Completion``, ``TokenEvent``.
+the request types: ``SamplingParams``, ``Completion``, ``TokenEvent``, ``TokenLogprobs``.
 
 Users build the engine as ``kvgraph.LLM`` (``kvgraph.entrypoints.llm``), which also picks its runner
 strategy (one process, or tensor parallelism). This package imports only the light modules, so that
@@ -8,6 +8,6 @@ reading ``EngineConfig`` (the CLI does, for its flags) does not load the compile
 
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.requests import Completion, FinishReason, TokenEvent
-from kvgraph.engine.sampling import SamplingParams
+from kvgraph.engine.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["Completion", "EngineConfig", "FinishReason", "SamplingParams", "TokenEvent"]
+__all__ = ["Completion", "EngineConfig", "FinishReason", "SamplingParams", "TokenEvent", "TokenLogprobs"]

@@ -16,6 +16,7 @@ from kvgraph.compiler.step import prepare_step
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import check_tokenizer, eos_token_ids, load_model, vocab_size
+from kvgraph.engine.penalties import LogitsProcessor
 from kvgraph.engine.prompts import (
     Prompt,
     as_prompt_list,
@@ -31,7 +32,7 @@ from kvgraph.engine.requests import (
     TokenEvent,
 )
 from kvgraph.engine.runner import compiled_graphs
-from kvgraph.engine.sampling import SamplingParams, sample
+from kvgraph.engine.sampling import SamplingParams, TokenLogprobs, sample
 from kvgraph.engine.scheduler import Scheduler, SchedulerOutput
 from kvgraph.engine.stats import EngineStats, cache_usage, occupancy
 from kvgraph.engine.strategy import RunnerStrategy, SingleProcess, prepare_model
@@ -199,6 +200,7 @@ class LLMEngine:
             arrival_time=r.arrival_time,
             token_times=list(r.token_times),
             error=r.error,
+            logprobs=list(r.logprobs) if r.sampling.logprobs is not None else None,
         )
 
     # -- generation --
@@ -317,17 +319,27 @@ class LLMEngine:
             starts.append(request.num_computed + kv.cached_tokens)
         run.rows = [b for b, e in enumerate(out.entries) if e.completes_context]
         input_ids, position_ids, offsets = prepare_step(new_tokens, starts, self.device)
-        params = [out.entries[b].request.sampling for b in run.rows]
-        generators = [out.entries[b].request.generator for b in run.rows]
-        sampled = []
+        requests = [out.entries[b].request for b in run.rows]
+        params = [r.sampling for r in requests]
+        generators = [r.generator for r in requests]
+        sampled, logprobs, processor = [], [], None
         for step in range(out.num_steps):
             if step > 0:
                 # multistep: a batch of decodes, one token per sequence per step
                 kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
                 input_ids, position_ids = sampled[-1][None], position_ids + 1
-            logits = self.runner(kv_inputs, input_ids, position_ids, offsets)  # [batch, V]
-            sampled.append(sample(logits[run.rows], params, generators))
-        run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync
+            logits = self.runner(kv_inputs, input_ids, position_ids, offsets)[run.rows]  # [rows, V]
+            if step == 0:
+                processor = LogitsProcessor.build(params, requests, logits.shape[-1], logits.device)
+            if processor is not None:
+                logits = processor(logits)
+            picked = sample(logits, params, generators)
+            if processor is not None:
+                processor.advance(picked.tokens)
+            sampled.append(picked.tokens)
+            logprobs.append(picked.logprobs)
+        run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync (and one per step with logprobs)
+        run.logprobs = [lp.per_row(params) if lp is not None else {} for lp in logprobs]
         for step_tokens in run.tokens[:-1]:
             for entry, token in zip(out.entries, step_tokens, strict=True):
                 entry.kv.tokens = [*entry.kv.tokens, token]
@@ -363,20 +375,23 @@ class LLMEngine:
         events = []
         for col, b in enumerate(run.rows):
             request = out.entries[b].request
-            for step_tokens in run.tokens:
+            for step_tokens, step_logprobs in zip(run.tokens, run.logprobs, strict=True):
                 if request.finished:
                     break
-                token = step_tokens[col]
+                token, logprobs = step_tokens[col], step_logprobs.get(col)
                 request.output_ids.append(token)
                 request.token_times.append(now)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
                 reason = request.stop_reason(token, self.max_seq_len)
                 if reason is not None:
                     self.scheduler.finish(request, reason)
                     self._stats.finished += 1
-                events.append(self._event(request, token, detokenize))
+                events.append(self._event(request, token, detokenize, logprobs))
         return events
 
-    def _event(self, request: EngineRequest, token: int, detokenize: bool) -> TokenEvent:
+    def _event(self, request: EngineRequest, token: int, detokenize: bool,
+               logprobs: TokenLogprobs | None = None) -> TokenEvent:
         """The token's event, also put in the inbox of the call waiting for the request, if any."""
         inbox = self._inboxes.get(request.request_id)
         text = None
@@ -385,7 +400,8 @@ class LLMEngine:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             text = request.detokenizer.delta(request.output_ids, final=request.finished)
         reason = request.finish_reason.value if request.finished else None
-        event = TokenEvent(request_id=request.request_id, token_id=token, text=text, finish_reason=reason)
+        event = TokenEvent(request_id=request.request_id, token_id=token, text=text, finish_reason=reason,
+                           logprobs=logprobs)
         if inbox is not None:
             inbox.events.append(event)
         return event
@@ -518,6 +534,8 @@ class _StepRun:
     """Entries whose context this step completes, so they get a token (all of them in multistep)."""
     tokens: list[list[int]] = field(default_factory=list)
     """``[num_steps][len(rows)]`` sampled token ids."""
+    logprobs: list[dict[int, TokenLogprobs]] = field(default_factory=list)
+    """``[num_steps]``: column in ``rows`` -> its token's log-probabilities, for the rows that asked."""
     prefill_tokens: int = 0
     decode_tokens: int = 0
 

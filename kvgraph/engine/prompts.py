@@ -37,23 +37,28 @@ def encode_prompt(prompt: Prompt, tokenizer: object | None, vocab_size: int | No
         ids = list(prompt)
     if not ids:
         raise RequestError("prompt is empty; it needs at least one token")
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise RequestError(f"prompt token {t!r} is not an id in [0, {vocab_size})")
+    check_token_ids(ids, vocab_size, "prompt token")
     if len(ids) > max_seq_len:
         raise SequenceLengthError(f"prompt of {len(ids)} tokens is longer than max_seq_len={max_seq_len}")
     return ids
 
 
+def check_token_ids(ids: Sequence[object], vocab_size: int | None, what: str = "token") -> None:
+    """``RequestError`` naming the first of ``ids`` that is not an int in ``[0, vocab_size)``, and the
+    vocabulary size (``what`` says what the ids are, for the message)."""
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise RequestError(f"{what} {t!r} is not an id in [0, {vocab_size})")
+
+
 def check_sampling(sampling: SamplingParams | None, vocab_size: int | None) -> SamplingParams:
-    """``sampling`` (default ``SamplingParams()``); ``RequestError`` for another type or a stop
-    token outside ``[0, vocab_size)``."""
+    """``sampling`` (default ``SamplingParams()``); ``RequestError`` for another type, or a stop
+    or ``logit_bias`` token outside ``[0, vocab_size)``."""
     sampling = sampling if sampling is not None else SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    for t in sampling.stop_token_ids:
-        if vocab_size is not None and t >= vocab_size:
-            raise RequestError(f"stop token {t} is not an id in [0, {vocab_size})")
+    check_token_ids(sampling.stop_token_ids, vocab_size, "stop token")
+    check_token_ids([t for t, _ in sampling.logit_bias], vocab_size, "logit_bias token")
     return sampling
 
 

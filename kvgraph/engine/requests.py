@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvgraph.engine.sampling import SamplingParams
+from kvgraph.engine.sampling import SamplingParams, TokenLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -52,6 +52,7 @@ class EngineRequest:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when sampling.logprobs is set
     detokenizer: object | None = None  # an IncrementalDetokenizer once the output is streamed as text
 
     @property
@@ -103,6 +104,8 @@ class Completion:
         token_times: ``time.perf_counter()`` when each generated token was ready.
         error: with ``finish_reason == "error"``, the exception the model raised
             (``"RuntimeError: ..."``); ``None`` otherwise.
+        logprobs: one per generated token when the request's ``SamplingParams.logprobs`` is set,
+            else ``None``.
     """
 
     token_ids: list[int]
@@ -113,6 +116,7 @@ class Completion:
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     def __repr__(self) -> str:
         """The outcome in one line: ids and text shortened, timings left out."""
@@ -147,6 +151,7 @@ class TokenEvent:
         finish_reason: set on the request's last token (``"error"`` when its step failed).
         error: the exception of a failed step (``"RuntimeError: ..."``), else ``None``.
         prompt_index: from ``LLM.stream``, the prompt's position in that call; ``None`` elsewhere.
+        logprobs: the token's log-probabilities when the request asked for them, else ``None``.
     """
 
     request_id: int
@@ -155,3 +160,4 @@ class TokenEvent:
     finish_reason: str | None
     error: str | None = None
     prompt_index: int | None = None
+    logprobs: TokenLogprobs | None = None

@@ -1,13 +1,25 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p)."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, log-probabilities).
+
+Penalties, ``logit_bias`` and ``min_tokens`` change the logits before they reach :func:`sample`:
+:class:`kvgraph.engine.penalties.LogitsProcessor` applies them to the rows that use them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvgraph.errors import ConfigError
+
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for with ``logprobs``."""
+PENALTY_LIMIT = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_LIMIT, PENALTY_LIMIT]``."""
+LOGIT_BIAS_LIMIT = 100.0
+"""Each ``logit_bias`` value lies in ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]``."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +34,18 @@ class SamplingParams:
         seed: seeds the request's own generator, so its samples do not depend on the batch it runs in.
         stop_token_ids: tokens that end the request (kept in the output), besides the model's EOS.
         ignore_eos: do not stop at the EOS token (benchmarks with a fixed output length).
+        presence_penalty: subtracted from the logit of every token generated at least once
+            (OpenAI's definition, in ``[-2, 2]``; the prompt does not count).
+        frequency_penalty: subtracted from the logit of every token once per time it was
+            generated (OpenAI's definition, in ``[-2, 2]``; the prompt does not count).
+        repetition_penalty: divides the positive logits and multiplies the negative ones of every
+            token in the prompt or the output (Hugging Face's and vLLM's definition; > 0, 1: none).
+        logit_bias: token id -> value added to its logit, each in ``[-100, 100]`` (-100 bans the
+            token in practice); stored as ``((id, bias), ...)`` sorted by id.
+        min_tokens: the EOS and ``stop_token_ids`` are masked out until this many tokens were
+            generated (at most ``max_new_tokens``).
+        logprobs: ``None``: none; ``N`` in ``[0, 20]``: each generated token's log-probability and
+            the ``N`` most likely tokens' (see :class:`Logprobs` for which distribution).
     """
 
     max_new_tokens: int = 16
@@ -31,9 +55,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
@@ -47,10 +78,39 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ConfigError(f"stop_token_ids must be non-negative ints, got {t!r}")
+        self._check_processing()
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    def _check_processing(self) -> None:
+        """The fields :class:`~kvgraph.engine.penalties.LogitsProcessor` applies."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ConfigError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for token, bias in self.logit_bias:
+            if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ConfigError(
+                    f"logit_bias of token {token} must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias!r}"
+                )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the penalties, ``logit_bias`` or ``min_tokens`` changes the logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator seeded with ``seed`` on ``device`` (``None`` for greedy or unseeded requests)."""
@@ -61,6 +121,22 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``((id, bias), ...)`` sorted by id; ``ConfigError`` for an id that is not an int >= 0."""
+    try:
+        pairs = dict(bias.items() if isinstance(bias, Mapping) else bias)
+    except (TypeError, ValueError):
+        raise ConfigError(f"logit_bias must map token ids to biases, got {bias!r}") from None
+    for token in pairs:
+        if not _is_int(token) or token < 0:
+            raise ConfigError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+    return tuple(sorted(pairs.items()))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -84,19 +160,78 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely alternatives
+    (from the distribution it was sampled from: see :class:`Logprobs`).
+
+    Attributes:
+        logprob: the generated token's log-probability (``-inf`` for a token masked out).
+        top: ``((token_id, logprob), ...)``: the request's ``logprobs`` most likely tokens, most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities for the rows of a batch whose request asked for them (``logprobs`` set).
+
+    They are those of the distribution each row was sampled from: the logits after the penalties,
+    ``logit_bias`` and ``min_tokens``, divided by the temperature (1 for greedy rows), before
+    top-k / top-p filtering. A token masked out by ``min_tokens`` has ``-inf``.
+
+    Attributes:
+        rows: the batch rows that asked, in order; ``R = len(rows)``.
+        chosen: ``float32 [R]``: the log-probability of each row's sampled token.
+        top_ids: ``int64 [R, N]``: the ``N`` most likely tokens, most likely first (``N``: the most
+            any of the rows asked for; a row asking fewer uses the first ones).
+        top_logprobs: ``float32 [R, N]``: their log-probabilities.
+    """
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def per_row(self, params: Sequence[SamplingParams]) -> dict[int, TokenLogprobs]:
+        """Batch row -> its token's :class:`TokenLogprobs`, each with the alternatives its
+        ``params[row].logprobs`` asks for (a host sync)."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        return {
+            row: TokenLogprobs(chosen[i], tuple(zip(ids[i], values[i], strict=True))[: params[row].logprobs])
+            for i, row in enumerate(self.rows)
+        }
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What :func:`sample` picked.
+
+    Attributes:
+        tokens: ``int64 [B]``: one token per row.
+        logprobs: for the rows that asked, ``None`` when none did.
+    """
+
+    tokens: torch.Tensor
+    logprobs: Logprobs | None = None
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """Pick one token per row.
+) -> SamplerOutput:
+    """Pick one token per row, with the log-probabilities of the rows that ask for them.
 
     Args:
-        logits: ``float [B, V]``: next-token logits, one row per request.
+        logits: ``float [B, V]``: next-token logits, one row per request (after the penalties,
+            ``logit_bias`` and ``min_tokens`` of the rows that use them).
         params: ``B`` sampling parameters, row by row.
         generators: ``B`` generators (``None``: the global RNG), row by row.
     Returns:
-        ``int64 [B]`` token ids on ``logits.device`` (no host sync).
+        the tokens, ``int64 [B]``, and the :class:`Logprobs`, on ``logits.device`` (no host sync).
     """
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ConfigError(
@@ -110,4 +245,16 @@ def sample(
         scaled = filter_logits(logits[row].float() / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(scaled, dim=-1)
         tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
-    return tokens
+    rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+    return SamplerOutput(tokens, _logprobs(logits, tokens, params, rows) if rows else None)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]) -> Logprobs:
+    """The :class:`Logprobs` of ``rows``: ``logits [B, V]``, ``tokens [B]`` as :func:`sample` has them."""
+    index = torch.tensor(rows, device=logits.device)
+    temperature = torch.tensor([params[b].temperature or 1.0 for b in rows], device=logits.device)
+    # logp: [R, V]
+    logp = torch.log_softmax(logits[index].float() / temperature[:, None], dim=-1)
+    top = torch.topk(logp, max(params[b].logprobs for b in rows), dim=-1)
+    chosen = logp.gather(1, tokens[index][:, None])[:, 0]
+    return Logprobs(rows, chosen, top.indices, top.values)

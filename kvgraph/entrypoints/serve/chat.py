@@ -24,14 +24,16 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def chat_prompt(tokenizer: object | None, messages: Sequence[ChatMessage]) -> list[int]:
-    """The token ids of ``messages`` rendered by the chat template, ready for the reply."""
+def chat_prompt(tokenizer: object | None, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The token ids of ``messages`` rendered by the chat template, ready for the reply (with
+    ``add_generation_prompt``); the template writes any special tokens itself, so none are added
+    unless ``add_special_tokens``."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
     template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
     text = tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.text} for m in messages],
-        chat_template=template, tokenize=False, add_generation_prompt=True,
+        chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
     )
-    # the template writes any special tokens itself
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

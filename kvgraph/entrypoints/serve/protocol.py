@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Requests validate what the engine cannot run (``n > 1``, log-probabilities, penalties, ...)
+Requests validate what the engine cannot run (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``)
 with an error naming the field and the value, so that no request is silently answered
 differently from what it asked. Unknown fields are ignored, as OpenAI's own server does for
 fields it does not know.
@@ -12,6 +12,8 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvgraph.engine.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
 
 # -- requests --
 
@@ -37,10 +39,15 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     """Not in OpenAI's API (vLLM's): generate ``max_tokens`` tokens whatever comes."""
-    logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    frequency_penalty: float = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as OpenAI sends it) -> bias in [-100, 100]."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """Not in OpenAI's API (vLLM's): divides the positive logits and multiplies the negative ones
+    of the prompt's and output's tokens."""
+    min_tokens: int = Field(default=0, ge=0)
+    """Not in OpenAI's API (vLLM's): no EOS or stop token before this many tokens."""
 
     @field_validator("top_k")
     @classmethod
@@ -50,6 +57,16 @@ class GenerationFields(BaseModel):
             return None
         if value < 1:
             raise ValueError(f"top_k must be >= 1, or -1 for all tokens, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias of token {key} must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]")
         return value
 
     @field_validator("stop")
@@ -64,14 +81,17 @@ class GenerationFields(BaseModel):
     def _supported(self) -> GenerationFields:
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported: this server returns one choice per request (n=1)")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError(f"logprobs={self.logprobs!r} is not supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with int keys."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (``None``: no log-probabilities)."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -83,6 +103,9 @@ class CompletionRequest(GenerationFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Each token's log-probability and the ``logprobs`` most likely tokens' (up to ``logprobs + 1``
+    entries: the chosen token is always there)."""
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -100,12 +123,16 @@ class CompletionRequest(GenerationFields):
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo=true is not supported")
+            raise ValueError("echo=true is not supported: the answer holds the generated text only")
         if self.best_of not in (None, 1):
-            raise ValueError(f"best_of={self.best_of} is not supported (only 1)")
+            raise ValueError(f"best_of={self.best_of} is not supported (only 1): one sequence is generated per request")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -134,12 +161,24 @@ class ChatCompletionRequest(GenerationFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _max_tokens_alias(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- responses --
@@ -160,9 +199,34 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """``/v1/completions``' ``logprobs``: per generated token, its text, log-probability, the most
+    likely tokens' (the chosen one among them) and where its text begins in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``/v1/chat/completions``' ``logprobs``: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
 class _Choice(BaseModel):
     index: int = 0
-    logprobs: None = None
     finish_reason: str | None = None
 
 
@@ -174,6 +238,7 @@ class _Response(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -191,6 +256,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -206,6 +272,7 @@ class ChatDelta(BaseModel):
 
 class ChatChunkChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -225,3 +292,43 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: ``True`` for a prompt, ``False`` for messages (the template writes its own)."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

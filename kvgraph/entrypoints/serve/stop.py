@@ -18,9 +18,13 @@ class StopStrings:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, bool]:
         """The text that can be sent now, and whether a stop string ended the text (the stop
-        string itself is not sent)."""
+        string itself is not sent). Not ``armed`` (the request's first ``min_tokens`` tokens),
+        the text is sent as it is and never searched."""
+        if not armed:
+            out, self.pending = self.pending + delta, ""
+            return out, False
         self.pending += delta
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from kvgraph.engine import TokenEvent
 from kvgraph.entrypoints.serve.async_engine import RequestHandle
 from kvgraph.entrypoints.serve.errors import error_body
 from kvgraph.entrypoints.serve.stop import StopStrings
@@ -17,46 +18,54 @@ from kvgraph.errors import EngineFailure
 
 @dataclass
 class Piece:
-    """Text to send; the last piece of a request carries its ``finish_reason``."""
+    """Text to send, and the tokens read since the previous piece (for their log-probabilities);
+    the last piece of a request carries its ``finish_reason``."""
 
     text: str
     finish_reason: str | None = None
+    events: list[TokenEvent] = field(default_factory=list)
 
 
 @dataclass
 class Generation:
-    """One request's output as it is read: ``num_tokens`` generated so far."""
+    """One request's output as it is read: ``num_tokens`` generated so far; the text of the first
+    ``min_tokens`` is not searched for stop strings (as the EOS, they cannot end it there)."""
 
     handle: RequestHandle
     stops: StopStrings
+    min_tokens: int = 0
     num_tokens: int = 0
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The text as it comes, ending at the first stop string (``finish_reason="stop"``, the
         request aborted there) or at the engine's finish reason. Leaving early aborts the request."""
+        events: list[TokenEvent] = []
         try:
             async for event in self.handle:
                 self.num_tokens += 1
-                text, stopped = self.stops.feed(event.text or "")
+                events.append(event)
+                text, stopped = self.stops.feed(event.text or "", armed=self.num_tokens > self.min_tokens)
                 if stopped:
                     self.handle.abort("stop")
-                    yield Piece(text, "stop")
+                    yield Piece(text, "stop", events)
                     return
                 if event.finish_reason is not None:
-                    yield Piece(text + self.stops.flush(), event.finish_reason)
+                    yield Piece(text + self.stops.flush(), event.finish_reason, events)
                     return
                 if text:
-                    yield Piece(text)
+                    yield Piece(text, events=events)
+                    events = []
         finally:
             self.handle.abort()
 
-    async def text(self) -> tuple[str, str | None]:
-        """The whole text and the finish reason."""
-        parts, reason = [], None
+    async def whole(self) -> Piece:
+        """The whole text, the finish reason and every token."""
+        whole = Piece("")
         async for piece in self.pieces():
-            parts.append(piece.text)
-            reason = piece.finish_reason
-        return "".join(parts), reason
+            whole.text += piece.text
+            whole.finish_reason = piece.finish_reason
+            whole.events += piece.events
+        return whole
 
 
 async def server_sent_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
+from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.launch import ServerProcess
+from kvgraph.presets import load_preset
+from tests.entrypoints.serve.serving import ENGINE_FLAGS, MAX_SEQ_LEN, MODEL
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +28,21 @@ def start_server():
     yield start
     for server in started:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    """A server of ``ENGINE_FLAGS``, one per test module."""
+    return start_server(*ENGINE_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    """The same model and engine settings in this process."""
+    model, tokenizer = load_preset(MODEL)
+    return LLM(model, tokenizer=tokenizer, compile="eager", max_seq_len=MAX_SEQ_LEN, max_batch_size=32)

@@ -11,7 +11,6 @@ import json
 import re
 import signal
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,53 +22,15 @@ import pytest
 from kvgraph.engine import SamplingParams
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.chat import DEFAULT_CHAT_TEMPLATE
-from kvgraph.presets import load_preset
+from tests.entrypoints.serve.serving import MAX_SEQ_LEN, MODEL, post, wait_until
 from tests.naming import raises_naming
 
-MODEL = "llama-tiny"
-MAX_SEQ_LEN = 512
-ENGINE_FLAGS = ["--model", MODEL, "--compile", "eager", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "32"]
 CONCURRENT = 24
-WAIT_STEPS = 600  # bounded polls of /metrics, 0.05 s apart
-
-
-@pytest.fixture(scope="module")
-def server(start_server):
-    return start_server(*ENGINE_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def reference() -> LLM:
-    """The same model and engine settings in this process."""
-    model, tokenizer = load_preset(MODEL)
-    return LLM(model, tokenizer=tokenizer, compile="eager", max_seq_len=MAX_SEQ_LEN, max_batch_size=32)
 
 
 def _greedy(llm: LLM, prompt, max_tokens: int):
     (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=max_tokens))
     return out
-
-
-def _post(server, path: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(server.url + path, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _wait_until(predicate) -> bool:
-    for _ in range(WAIT_STEPS):
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_health_and_models(server, client):
@@ -150,7 +111,7 @@ def test_concurrent_requests_equal_their_runs_alone(server, client, reference):
         together = list(pool.map(complete, prompts))
     assert together == alone
     assert alone == [c.text for c in reference.generate(prompts, SamplingParams(max_new_tokens=16))]
-    assert _wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
+    assert wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
     assert server.metric("kvgraph_requests_running") == 0 and server.metric("kvgraph_requests_waiting") == 0
 
 
@@ -171,7 +132,7 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", BAD_REQUESTS)
 def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, client, case):
     fields, status, message = BAD_REQUESTS[case]
-    code, body = _post(server, "/v1/completions", json.dumps({"model": MODEL, **fields}).encode())
+    code, body = post(server, "/v1/completions", json.dumps({"model": MODEL, **fields}).encode())
     assert code == status
     assert message in body["error"]["message"]
     assert body["error"]["type"] == "invalid_request_error"
@@ -179,11 +140,11 @@ def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, c
 
 
 def test_malformed_json_and_unknown_paths(server):
-    code, body = _post(server, "/v1/completions", b'{"model": "llama-tiny", "prompt":')
+    code, body = post(server, "/v1/completions", b'{"model": "llama-tiny", "prompt":')
     assert code == 400 and body["error"]["message"].startswith("the body is not valid JSON")
-    code, body = _post(server, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode())
+    code, body = post(server, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode())
     assert code == 400 and "messages" in body["error"]["message"]
-    code, body = _post(server, "/v1/embeddings", b"{}")
+    code, body = post(server, "/v1/embeddings", b"{}")
     assert code == 404 and body["error"]["type"] == "not_found_error"
 
 
@@ -208,8 +169,8 @@ def test_disconnect_mid_stream_frees_the_pages(server):
     assert response.status == 200
     assert response.readline().startswith(b"data: {")  # the first token arrived
     conn.close()
-    assert _wait_until(lambda: server.metric(aborted) == before + 1)
-    assert _wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
+    assert wait_until(lambda: server.metric(aborted) == before + 1)
+    assert wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
     assert server.metric("kvgraph_generated_tokens_total") > 0
     for name in ("kvgraph_time_to_first_token_seconds_count", "kvgraph_inter_token_latency_seconds_count"):
         assert server.metric(name) > 0

@@ -40,3 +40,9 @@ def test_text_that_may_begin_a_stop_string_is_held_back():
     assert s.feed("xxab") == ("xx", False)
     assert s.feed("d") == ("a", False)  # the last two characters could still begin "abc"
     assert s.flush() == "bd"
+
+
+def test_text_fed_unarmed_is_sent_whole_and_never_searched():
+    s = StopStrings(["END"])
+    assert s.feed("xEN", armed=False) == ("xEN", False)
+    assert s.feed("D y END", armed=True) == ("D y ", True)  # only what came armed is searched
