@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvgraph.engine.prompt_logprobs import PromptLogprob
 from kvgraph.engine.sampling import SamplingParams
 
 
@@ -53,6 +54,16 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     detokenizer: object | None = None  # an IncrementalDetokenizer once the output is streamed as text
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with sampling.prompt_logprobs: [None, ...]
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (``sampling.prompt_logprobs``)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def context(self) -> list[int]:
@@ -103,6 +114,8 @@ class Completion:
         token_times: ``time.perf_counter()`` when each generated token was ready.
         error: with ``finish_reason == "error"``, the exception the model raised
             (``"RuntimeError: ..."``); ``None`` otherwise.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token
+            (``None`` for the first, which nothing predicts); else ``None``.
     """
 
     token_ids: list[int]
@@ -113,6 +126,7 @@ class Completion:
     arrival_time: float = 0.0
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __repr__(self) -> str:
         """The outcome in one line: ids and text shortened, timings left out."""

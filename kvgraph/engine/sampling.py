@@ -9,6 +9,9 @@ import torch
 
 from kvgraph.errors import ConfigError
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for per position (as OpenAI's and vLLM's servers)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +25,9 @@ class SamplingParams:
         seed: seeds the request's own generator, so its samples do not depend on the batch it runs in.
         stop_token_ids: tokens that end the request (kept in the output), besides the model's EOS.
         ignore_eos: do not stop at the EOS token (benchmarks with a fixed output length).
+        prompt_logprobs: score the prompt's own tokens (``Completion.prompt_logprobs``) with
+            this many most likely alternatives per position (0 to ``MAX_LOGPROBS``); ``None``: don't.
+            The prompt is then computed whole, never served from the prefix cache.
     """
 
     max_new_tokens: int = 16
@@ -31,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -44,6 +51,12 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be None or an int, got {self.seed!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ConfigError(
+                f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ConfigError(f"stop_token_ids must be non-negative ints, got {t!r}")
