@@ -23,6 +23,8 @@ class KVRequest:
             chunk: a scheduler that chunks a prompt first asks
             ``manager.cached_prefix_length(prompt)`` and makes the first chunk
             at least that long plus one token.
+        reuse_prefix: a first fetch may take the sequence's leading pages from the prefix cache
+            (``False``: every token is computed, e.g. when the prompt's logits are wanted).
         cached_tokens: *set by fetch*: how many leading entries of ``tokens``
             are already in the cache thanks to a prefix-cache hit. The caller
             runs the model only on ``tokens[cached_tokens:]``, and ``step``
@@ -33,6 +35,7 @@ class KVRequest:
     seq_id: int
     tokens: Sequence[int]
     prompt: Sequence[int] | None = None
+    reuse_prefix: bool = True
     cached_tokens: int = 0
 
     @property

@@ -36,6 +36,7 @@ DEFAULT_HINTS: Mapping[str, int] = {
     "max_batch_size": 3,
     "total_tokens": 5,
     "batch_size_plus_1": 4,
+    "num_logits": 3,
     "max_seq_len": 6,
 }
 
@@ -161,6 +162,11 @@ KV_PLACEHOLDERS: tuple[str, ...] = (
 )
 """Names (and order) of the graph inputs a lowered graph takes after the model's own: the ragged
 KV symbols, then ``input_row_offsets [batch_size + 1]``."""
+
+
+LOGIT_POSITIONS = "logit_positions"
+"""The graph input a lowered graph with pruned logits takes after ``KV_PLACEHOLDERS``: ``int32
+[num_logits]``, the indices of the step's new tokens whose logits it returns."""
 
 
 INDEX_DTYPE = torch.int32

@@ -1,8 +1,9 @@
 """Binding one step's KV cache inputs to compiled kvgraph callables (``kvgraph.bind``).
 
 A graph lowered by kvgraph takes five extra inputs after the model's own:
-``kv_blocks, cache_lengths, lookup_table, max_lengths, input_row_offsets``. The
-caller does not pass them; it binds them around the call::
+``kv_blocks, cache_lengths, lookup_table, max_lengths, input_row_offsets`` (and, when its
+logits are pruned, ``logit_positions``). The caller does not pass them; it binds them around
+the call::
 
     with kvgraph.bind(manager.fetch(batch), input_row_offsets):
         out = compiled(input_ids=ids, position_ids=pos)
@@ -25,7 +26,13 @@ import torch
 
 from kvgraph.cache.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
-from kvgraph.cache.symbols import INDEX_DTYPE, KV_PLACEHOLDERS, TensorType, ragged_input_symbols
+from kvgraph.cache.symbols import (
+    INDEX_DTYPE,
+    KV_PLACEHOLDERS,
+    LOGIT_POSITIONS,
+    TensorType,
+    ragged_input_symbols,
+)
 from kvgraph.errors import BindingError, CacheInputError
 from kvgraph.ops.plan import bound_step
 
@@ -63,10 +70,21 @@ class Binding:
             (paged ``[batch, max_num_pages]``, continuous ``[batch]``), ``max_lengths int32
             [num_steps, 2]`` (CPU), as :class:`~kvgraph.cache.inputs.RaggedKVCacheInputs` documents.
         input_row_offsets: ``int32 [batch + 1]`` prefix sums of the new tokens per sequence.
+        logit_positions: ``int32 [num_logits]``: the step's token indices whose logits a pruned
+            graph returns, in that order; ``None``: each sequence's last new token
+            (``input_row_offsets[1:] - 1``).
     """
 
     kv_inputs: RaggedKVCacheInputs
     input_row_offsets: torch.Tensor
+    logit_positions: torch.Tensor | None = None
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """``logit_positions``, or each sequence's last new token when none were bound."""
+        if self.logit_positions is not None:
+            return self.logit_positions
+        return self.input_row_offsets[1:] - 1
 
     @property
     def layout(self) -> CacheLayout:
@@ -83,6 +101,8 @@ class Binding:
             "kv_blocks": kv.blocks, "cache_lengths": kv.cache_lengths, "lookup_table": kv.lookup_table,
             "max_lengths": kv.max_lengths, "input_row_offsets": self.input_row_offsets,
         }
+        if LOGIT_POSITIONS in names:
+            by_name[LOGIT_POSITIONS] = self.positions
         return [by_name[name] for name in names]
 
 
@@ -144,10 +164,31 @@ def _check_structure(kv: RaggedKVCacheInputs, input_row_offsets: object) -> None
         )
 
 
+def _check_positions(positions: object, input_row_offsets: torch.Tensor) -> None:
+    """``logit_positions``: ``int32 [num_logits >= 1]`` on the offsets' device, on the CPU each in ``[0, T)``."""
+    if not isinstance(positions, torch.Tensor):
+        raise BindingError(f"logit_positions must be a tensor, got {type(positions).__name__}")
+    if positions.dtype != INDEX_DTYPE or positions.dim() != 1 or positions.shape[0] < 1:
+        raise BindingError(
+            f"logit_positions must be {INDEX_DTYPE} [num_logits >= 1], got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if positions.device != input_row_offsets.device:
+        raise BindingError(
+            f"logit_positions is on {positions.device} but input_row_offsets is on {input_row_offsets.device}"
+        )
+    if positions.device.type == "cpu":
+        tokens = int(input_row_offsets[-1])
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= tokens:
+            bad = low if low < 0 else high
+            raise BindingError(f"logit_positions holds {bad}, outside the step's {tokens} tokens [0, {tokens})")
+
+
 @contextlib.contextmanager
 def bind(
     kv_inputs: RaggedKVCacheInputs | Sequence[RaggedKVCacheInputs] | KVCacheInputsSequence,
     input_row_offsets: torch.Tensor,
+    logit_positions: torch.Tensor | None = None,
 ) -> Iterator[Binding]:
     """Bind one step's KV inputs for compiled kvgraph callables called in this thread.
 
@@ -159,13 +200,18 @@ def bind(
             [num_steps, 2]`` on the CPU.
         input_row_offsets: ``int32 [batch + 1]`` on the cache's device: prefix sums of the new
             tokens of each sequence, in the order of ``cache_lengths``.
+        logit_positions: ``int32 [num_logits]`` on that device: the indices (into the step's
+            flattened new tokens) whose logits a pruned graph returns, in order; ``None`` (the
+            default): each sequence's last new token, one row per sequence.
 
     Raises ``BindingError`` (binding nothing) when the inputs are not of that form. Within the
     block, the op's calls on these tensors share one checked plan of the step (:func:`~kvgraph.ops.plan.bound_step`).
     """
     kv = _ragged_inputs(kv_inputs)
     _check_structure(kv, input_row_offsets)
-    binding = Binding(kv, input_row_offsets)
+    if logit_positions is not None:
+        _check_positions(logit_positions, input_row_offsets)
+    binding = Binding(kv, input_row_offsets, logit_positions)
     _STACK.bindings.append(binding)
     try:
         with bound_step(kv.blocks, kv.cache_lengths, kv.lookup_table, input_row_offsets, kv.max_lengths):

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from kvgraph.cache.symbols import INDEX_DTYPE
 from kvgraph.compiler.step import prepare_step
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import check_tokenizer, eos_token_ids, load_model, vocab_size
 from kvgraph.engine.penalties import LogitsProcessor
+from kvgraph.engine.prompt_logprobs import record
 from kvgraph.engine.prompts import (
     Prompt,
     as_prompt_list,
@@ -201,6 +203,7 @@ class LLMEngine:
             token_times=list(r.token_times),
             error=r.error,
             logprobs=list(r.logprobs) if r.sampling.logprobs is not None else None,
+            prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs),
         )
 
     # -- generation --
@@ -322,13 +325,17 @@ class LLMEngine:
         requests = [out.entries[b].request for b in run.rows]
         params = [r.sampling for r in requests]
         generators = [r.generator for r in requests]
+        rows = _LogitRows.of(out.entries, new_tokens, self.device)
         sampled, logprobs, processor = [], [], None
         for step in range(out.num_steps):
             if step > 0:
                 # multistep: a batch of decodes, one token per sequence per step
                 kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
                 input_ids, position_ids = sampled[-1][None], position_ids + 1
-            logits = self.runner(kv_inputs, input_ids, position_ids, offsets)[run.rows]  # [rows, V]
+            logits = self.runner(kv_inputs, input_ids, position_ids, offsets, rows.positions)  # [positions, V]
+            if rows.positions is not None:
+                logits = rows.score_prompts(out.entries, starts, logits)  # [batch, V]
+            logits = logits[run.rows]  # [rows, V]
             if step == 0:
                 processor = LogitsProcessor.build(params, requests, logits.shape[-1], logits.device)
             if processor is not None:
@@ -538,6 +545,46 @@ class _StepRun:
     """``[num_steps]``: column in ``rows`` -> its token's log-probabilities, for the rows that asked."""
     prefill_tokens: int = 0
     decode_tokens: int = 0
+
+
+@dataclass
+class _LogitRows:
+    """Which of a step's token positions the model returns logits for.
+
+    ``positions is None``: each sequence's last new token (the default). A batch with a request
+    that scores its prompt asks for every new token of that request instead; ``last[b]`` is the
+    row of sequence ``b``'s last token and ``spans[b]`` the rows of a scoring request.
+    """
+
+    positions: torch.Tensor | None = None
+    last: list[int] = field(default_factory=list)
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entries, new_tokens, device) -> _LogitRows:
+        if not any(e.request.scores_prompt for e in entries):
+            return cls()
+        rows = cls()
+        flat: list[int] = []
+        offset = 0
+        for b, (entry, tokens) in enumerate(zip(entries, new_tokens, strict=True)):
+            if entry.request.scores_prompt:
+                rows.spans[b] = (len(flat), len(flat) + len(tokens))
+                flat.extend(range(offset, offset + len(tokens)))
+            else:
+                flat.append(offset + len(tokens) - 1)
+            offset += len(tokens)
+            rows.last.append(len(flat) - 1)
+        rows.positions = torch.tensor(flat, dtype=INDEX_DTYPE, device=device)
+        return rows
+
+    def score_prompts(self, entries, starts: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt scores of the scoring requests; returns each sequence's last row ``[batch, V]``."""
+        for b, (lo, hi) in self.spans.items():
+            request = entries[b].request
+            record(request.prompt_logprobs, request.prompt_ids, starts[b], logits[lo:hi],
+                   request.sampling.prompt_logprobs)
+        return logits[self.last]
 
 
 class _AbortOnExit:

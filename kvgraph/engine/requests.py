@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvgraph.engine.prompt_logprobs import PromptLogprob
 from kvgraph.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -54,6 +55,16 @@ class EngineRequest:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when sampling.logprobs is set
     detokenizer: object | None = None  # an IncrementalDetokenizer once the output is streamed as text
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with sampling.prompt_logprobs: [None, ...]
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (``sampling.prompt_logprobs``)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def context(self) -> list[int]:
@@ -106,6 +117,8 @@ class Completion:
             (``"RuntimeError: ..."``); ``None`` otherwise.
         logprobs: one per generated token when the request's ``SamplingParams.logprobs`` is set,
             else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token
+            (``None`` for the first, which nothing predicts); else ``None``.
     """
 
     token_ids: list[int]
@@ -117,6 +130,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     def __repr__(self) -> str:
         """The outcome in one line: ids and text shortened, timings left out."""

@@ -65,16 +65,19 @@ class ModelRunner:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         input_row_offsets: torch.Tensor,
+        logit_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Next-token logits of each sequence's last new token.
+        """Next-token logits of each sequence's last new token (or of ``logit_positions``).
 
         Args:
             kv_inputs: the manager's ``fetch`` result (one ``RaggedKVCacheInputs`` per device).
             input_ids: ``int64 [1, T]``: new tokens of all sequences, flattened (``kvgraph.compiler.step.prepare_step``).
             position_ids: ``int64 [1, T]``: their positions.
             input_row_offsets: ``int32 [batch + 1]``: prefix sums of new tokens per sequence.
+            logit_positions: ``int32 [rows]``: the flattened token indices whose logits to return;
+                ``None``: each sequence's last new token (``rows = batch``).
         Returns:
-            ``[batch, V]`` logits in the model's dtype.
+            ``[rows, V]`` logits in the model's dtype.
         """
         from kvgraph.compiler.runtime import bind
 
@@ -94,7 +97,7 @@ class ModelRunner:
                 # One token shows no sliding window wider than itself and the model's config gave
                 # none: lower the several-token graph first, whose windows the one-token graph takes.
                 self._several_token_graph()
-            with bind(kv_inputs, input_row_offsets):
+            with bind(kv_inputs, input_row_offsets, logit_positions):
                 out = self.compiled(input_ids=input_ids, position_ids=position_ids)
         new = compiled_graphs(self.compiled) - graphs
         if new:
@@ -106,12 +109,13 @@ class ModelRunner:
                 self.warmup_graphs += new
             else:
                 self.recompiles += new
-        # logits: [1, batch, V]
+        rows = batch if logit_positions is None else logit_positions.shape[0]
+        # logits: [1, rows, V]
         logits = _logits(out)
-        if logits.dim() != 3 or logits.shape[:2] != (1, batch):
+        if logits.dim() != 3 or logits.shape[:2] != (1, rows):
             raise BindingError(
-                f"the compiled model returned logits of shape {tuple(logits.shape)}, expected (1, {batch}, V): "
-                f"one row per sequence; it did not run the graph kvgraph lowered"
+                f"the compiled model returned logits of shape {tuple(logits.shape)}, expected (1, {rows}, V): "
+                f"one row per wanted position; it did not run the graph kvgraph lowered"
             )
         return logits[0]
 

@@ -46,6 +46,9 @@ class SamplingParams:
             generated (at most ``max_new_tokens``).
         logprobs: ``None``: none; ``N`` in ``[0, 20]``: each generated token's log-probability and
             the ``N`` most likely tokens' (see :class:`Logprobs` for which distribution).
+        prompt_logprobs: score the prompt's own tokens (``Completion.prompt_logprobs``) with
+            this many most likely alternatives per position (0 to ``MAX_LOGPROBS``); ``None``: don't.
+            The prompt is then computed whole, never served from the prefix cache.
     """
 
     max_new_tokens: int = 16
@@ -61,6 +64,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -79,8 +83,10 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ConfigError(f"stop_token_ids must be non-negative ints, got {t!r}")
         self._check_processing()
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def _check_processing(self) -> None:
         """The fields :class:`~kvgraph.engine.penalties.LogitsProcessor` applies."""

@@ -159,7 +159,7 @@ class Scheduler:
                 break
             request = self.waiting[0]
             # the prefix cache serves `hit` tokens for free: the first chunk starts after them
-            hit = self.manager.cached_prefix_length(request.context)
+            hit = self.manager.cached_prefix_length(request.context) if _reuses_prefix(request) else 0
             request.seq_id = self.manager.claim(1)[0]
             entry = self._entry(request, min(request.num_remaining, hit + budget))
             if not self._fits(out.entries, entry):
@@ -191,6 +191,7 @@ class Scheduler:
             seq_id=request.seq_id,
             tokens=context[start : start + n],
             prompt=context if start == 0 else None,
+            reuse_prefix=_reuses_prefix(request),
         )
         return ScheduledRequest(request, kv)
 
@@ -212,3 +213,8 @@ class Scheduler:
         if request.seq_id is not None:
             seq_id, request.seq_id = request.seq_id, None
             self.manager.release(seq_id)
+
+
+def _reuses_prefix(request: EngineRequest) -> bool:
+    """A request that scores its prompt computes every prompt position: no prefix-cache hit."""
+    return request.sampling.prompt_logprobs is None

@@ -38,6 +38,8 @@ class StepMessage:
         lookup_table: ``int32 [batch, max_num_pages]`` (paged) or ``[batch]`` (continuous).
         max_lengths: ``int32 [num_steps, 2]``.
         copies: ``(src_page, dst_page, rows)`` copy-on-write copies to repeat first, in order.
+        logit_positions: ``int32 [rows]``, the token indices whose logits are wanted; ``None``:
+            each sequence's last token.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +49,7 @@ class StepMessage:
     lookup_table: torch.Tensor
     max_lengths: torch.Tensor
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    logit_positions: torch.Tensor | None = None
 
 
 STOP = "stop"

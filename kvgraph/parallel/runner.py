@@ -42,17 +42,19 @@ class DriverRunner(ModelRunner):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         input_row_offsets: torch.Tensor,
+        logit_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv = kv_inputs[0]
         message = StepMessage(
             input_ids=input_ids.cpu(), position_ids=position_ids.cpu(),
             input_row_offsets=input_row_offsets.cpu(), cache_lengths=kv.cache_lengths.cpu(),
             lookup_table=kv.lookup_table.cpu(), max_lengths=kv.max_lengths.cpu(), copies=self._copies,
+            logit_positions=None if logit_positions is None else logit_positions.cpu(),
         )
         self._copies = []
         with self.tp.watch("step"):
             number = self.tp.channel.publish(message)
-            logits = super().__call__(kv_inputs, input_ids, position_ids, input_row_offsets)
+            logits = super().__call__(kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions)
             self.tp.channel.retire(number)
         return logits
 
@@ -88,5 +90,6 @@ class WorkerRunner(ModelRunner):
                 super().__call__(
                     [kv], message.input_ids.to(device), message.position_ids.to(device),
                     message.input_row_offsets.to(device),
+                    None if message.logit_positions is None else message.logit_positions.to(device),
                 )
             calls += 1

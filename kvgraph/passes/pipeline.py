@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
-from kvgraph.cache.symbols import RaggedKVCacheInputSymbols
+from kvgraph.cache.symbols import LOGIT_POSITIONS, RaggedKVCacheInputSymbols
 from kvgraph.errors import LoweringError
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite, KnownWindows
@@ -111,11 +111,12 @@ class LoweringPipeline:
         params = self._params(analysis)
         kv = step("add_kv_inputs", add_kv_inputs.run, gm, params)
         step("lower_attention", lower_attention.run, gm, analysis.sites, kv)
-        pruned = step("prune_logits", prune_logits.run, gm, kv.input_row_offsets, analysis.token_count,
+        pruned = step("prune_logits", prune_logits.run, gm, kv.nodes()[-1], analysis.token_count,
                       self.prune_logits, analysis.device.type == "cpu")
         step("dce", verify.dce, gm)
         step("verify", verify.run, gm, analysis, kv)
-        return LoweringResult(gm, True, None, params, kv.symbols, kv.names(), analysis.sites, pruned, timings)
+        names = [*kv.names(), LOGIT_POSITIONS] if pruned else kv.names()
+        return LoweringResult(gm, True, None, params, kv.symbols, names, analysis.sites, pruned, timings)
 
     def _params(self, analysis: AttentionAnalysis) -> KVCacheParams:
         """The cache params the graph needs; ``expected`` (a manager's) must agree with them."""

@@ -1,10 +1,15 @@
-"""Pass 4: compute the vocabulary projection only for each sequence's last new token.
+"""Pass 4: compute the vocabulary projection only at the token positions whose logits are wanted.
 
 The graph's logits ``[1, T, V]`` come from a final ``linear(x [1, T, C], W)`` (then maybe
 casts, scalar scaling, ``tanh`` soft-capping). With a ragged batch only each sequence's
-last new token is sampled, so the linear gets ``x.index_select(1, input_row_offsets[1:] - 1)``
-``[1, batch, C]`` and the logits become ``[1, batch, V]``: prefill no longer projects every
-prompt token onto the vocabulary.
+last new token is sampled, so the pass adds one more graph input, ``logit_positions``
+(``int32 [num_logits]``: indices into the step's ``T`` flattened tokens), after the KV
+placeholders; the linear gets ``x.index_select(1, logit_positions)`` ``[1, num_logits, C]`` and
+the logits become ``[1, num_logits, V]``: prefill no longer projects every prompt token onto the
+vocabulary. The runtime binds ``input_row_offsets[1:] - 1`` (each sequence's last new token,
+``num_logits = batch``) unless the step asks for more rows, e.g. every prompt position of a
+request that wants its prompt's log-probabilities: one graph serves both, with no recompile
+(``num_logits`` is a symbolic size of its own).
 
 A graph that already keeps only the last token (``x[:, -1:]``, ``x[:, [-1]]``, as nanoGPT
 and ``logits_to_keep=1`` do, or ``x[:, -1]``) would return one row for the whole flattened
@@ -26,6 +31,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
+from kvgraph.cache.symbols import INDEX_DTYPE, LOGIT_POSITIONS, make_symints
 from kvgraph.errors import LoweringError
 from kvgraph.passes import patterns as P
 from kvgraph.passes.add_kv_inputs import graph_fake_mode, uncached
@@ -67,12 +73,13 @@ def find_logits(gm: torch.fx.GraphModule, token_count: int | torch.SymInt) -> li
 
 def run(
     gm: torch.fx.GraphModule,
-    input_row_offsets: Node,
+    after: Node,
     token_count: int | torch.SymInt,
     enabled: bool = True,
     packed_projection: bool = False,
 ) -> bool:
-    """Prune the logits to the last token of each sequence; returns whether any output was pruned.
+    """Prune the logits to the rows of a new ``logit_positions`` input (placed after the
+    placeholder ``after``); returns whether any output was pruned (and the input added).
 
     ``packed_projection``: run each pruned projection as ``kvgraph::linear`` (for CPU graphs).
 
@@ -92,14 +99,13 @@ def run(
         return False
     fake_mode = graph_fake_mode(gm)
     graph = gm.graph
+    positions = _add_positions(gm, after, fake_mode) if sites else None
     for site in sites:
         with graph.inserting_before(site.linear):
-            tail = graph.call_function(operator.getitem, (input_row_offsets, slice(1, None)))
-            last = graph.call_function(operator.sub, (tail, 1))
-            rows = graph.call_function(torch.index_select, (site.hidden, 1, last))  # [1, batch, C]
-            new = [tail, last, rows]
+            rows = graph.call_function(torch.index_select, (site.hidden, 1, positions))  # [1, num_logits, C]
+            new = [rows]
             if site.drops_token_dim:
-                new.append(graph.call_function(operator.getitem, (rows, 0)))  # [batch, C]
+                new.append(graph.call_function(operator.getitem, (rows, 0)))  # [num_logits, C]
         site.linear.replace_input_with(site.linear.args[0], new[-1])
         if packed_projection and site.linear.op == "call_function":
             _to_packed_linear(site.linear)
@@ -108,6 +114,21 @@ def run(
     names = ", ".join(f"{s.linear.name} {tuple(meta_value(s.chain[-1]).shape)}" for s in sites)
     log_pass("prune_logits", start, f"pruned {names}" if sites else "no final linear on the outputs")
     return bool(sites)
+
+
+def _add_positions(gm: torch.fx.GraphModule, after: Node, fake_mode) -> Node:
+    """The ``logit_positions`` placeholder, ``int32 [num_logits]`` with a new symbolic size, after ``after``."""
+    if any(n.name == LOGIT_POSITIONS for n in gm.graph.nodes):
+        raise LoweringError(f"the graph already has a node named {LOGIT_POSITIONS!r}; cannot add the input")
+    (num_logits,) = make_symints(["num_logits"], fake_mode.shape_env).values()
+    device = meta_value(after).device
+    with uncached(fake_mode):
+        fake = torch.empty((num_logits,), dtype=INDEX_DTYPE, device=device)
+    with gm.graph.inserting_after(after):
+        node = gm.graph.placeholder(LOGIT_POSITIONS, type_expr=torch.Tensor)
+    node.meta["val"] = node.meta["example_value"] = fake
+    node._dynamo_source = None  # aot_autograd expects one on every placeholder of a Dynamo graph
+    return node
 
 
 def _to_packed_linear(linear: Node) -> None:

@@ -104,6 +104,34 @@ def test_bind_rejects_bad_row_offsets(offsets, names):
     assert current_binding() is None
 
 
+@pytest.mark.parametrize(
+    "positions, names",
+    [
+        (torch.tensor([2, 7], dtype=torch.int64), ("logit_positions", "torch.int32", "torch.int64")),
+        (torch.tensor([], dtype=torch.int32), ("logit_positions", "num_logits >= 1", "(0,)")),
+        (torch.tensor([0, 8], dtype=torch.int32), ("logit_positions", "8", "8 tokens")),
+        (torch.tensor([-1], dtype=torch.int32), ("logit_positions", "-1")),
+        ([2, 7], ("logit_positions", "tensor", "list")),
+    ],
+)
+def test_bind_rejects_bad_logit_positions(positions, names):
+    kv, _ = fetched(paged_params())
+    with raises_naming(BindingError, *names):
+        with kvgraph.bind(kv, torch.tensor([0, 3, 8], dtype=torch.int32), positions):
+            pass
+    assert current_binding() is None
+
+
+def test_logit_positions_default_to_each_sequences_last_token():
+    kv, _ = fetched(paged_params())
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with kvgraph.bind(kv, offsets) as binding:
+        assert binding.tensors(["logit_positions"])[0].tolist() == [2, 7]
+    wanted = torch.tensor([0, 1, 2, 7], dtype=torch.int32)
+    with kvgraph.bind(kv, offsets, wanted) as binding:
+        assert binding.tensors(["input_row_offsets", "logit_positions"])[1] is wanted
+
+
 def test_bind_rejects_blocks_and_lookup_of_the_wrong_rank():
     kv, offs = fetched(paged_params())
     flat = RaggedKVCacheInputs(kv[0].blocks.flatten(0, 1), kv[0].cache_lengths, kv[0].lookup_table, kv[0].max_lengths)

@@ -170,6 +170,7 @@ class RaggedCache:
             "lookup_table": self.lookup,
             "max_lengths": torch.tensor([[max(new), max(total)]], dtype=torch.int32),
             "input_row_offsets": offsets,
+            "logit_positions": offsets[1:] - 1,
         }
 
 

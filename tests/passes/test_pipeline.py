@@ -134,7 +134,7 @@ def test_kv_placeholders_come_last_in_order_with_symbolic_fake_types(llama_sdpa)
     placeholders = gm.graph.find_nodes(op="placeholder")
     added = placeholders[n_before:]
     assert [n.name for n in added] == result.kv_placeholders == [
-        "kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets"]
+        "kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "input_row_offsets", "logit_positions"]
     vals = {n.name: n.meta["val"] for n in added}
     blocks = vals["kv_blocks"]
     assert blocks.dtype == torch.float32 and tuple(blocks.shape[1:]) == (2, 2, 8, 2, 16)
@@ -145,8 +145,10 @@ def test_kv_placeholders_come_last_in_order_with_symbolic_fake_types(llama_sdpa)
     assert isinstance(vals["lookup_table"].shape[1], torch.SymInt)
     assert (vals["input_row_offsets"].shape[0] - 1).node.expr == batch.node.expr
     assert tuple(vals["max_lengths"].shape[1:]) == (2,) and vals["max_lengths"].device.type == "cpu"
-    for name in ("cache_lengths", "lookup_table", "max_lengths", "input_row_offsets"):
+    for name in ("cache_lengths", "lookup_table", "max_lengths", "input_row_offsets", "logit_positions"):
         assert vals[name].dtype == torch.int32, name
+    rows = vals["logit_positions"].shape[0]  # a size of its own: a step may want more rows than sequences
+    assert isinstance(rows, torch.SymInt) and rows.node.expr != batch.node.expr
     assert list(result.symbols.names()) == result.kv_placeholders[:4]
 
 

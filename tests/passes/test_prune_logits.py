@@ -16,6 +16,7 @@ from tests.passes.lowering_helpers import (
     capture,
     count_calls,
     eager_last_logits,
+    graph_args,
     model_kwargs,
     run_step,
 )
@@ -48,14 +49,17 @@ class Variant(TinyDecoder):
         return x
 
 
-def test_hf_logits_become_one_row_per_sequence(llama_sdpa):
+def test_hf_logits_become_one_row_per_logit_position(llama_sdpa):
     gm = llama_sdpa.fresh()
     result = lower(gm)
     assert result.logits_pruned
+    assert result.kv_placeholders[-2:] == ["input_row_offsets", "logit_positions"]
     logits = gm.graph.output_node().args[0][0]
-    batch = meta_value(gm.graph.find_nodes(op="placeholder", target="cache_lengths")[0]).shape[0]
+    (positions,) = gm.graph.find_nodes(op="placeholder", target="logit_positions")
+    rows = meta_value(positions)
+    assert rows.dtype == torch.int32 and rows.dim() == 1
     shape = meta_value(logits).shape
-    assert shape[0] == 1 and shape[1].node.expr == batch.node.expr and shape[2] == VOCAB
+    assert shape[0] == 1 and shape[1].node.expr == rows.shape[0].node.expr and shape[2] == VOCAB
     assert count_calls(gm, "index_select") == 1
     # on the CPU the pruned projection is kvgraph::linear (oneDNN, prepacked weight)
     projection = logits.args[0] if logits.op == "call_function" and "linear" not in str(logits.target) else logits
@@ -90,6 +94,28 @@ def test_pruned_variants_match_eager_per_sequence(kind):
     assert logits.shape == (1, 3, VOCAB)
     for b, s in enumerate(seqs):
         torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=1e-5, rtol=0)
+
+
+def test_logit_positions_pick_any_rows_of_the_step(llama_sdpa):
+    """The rows are an input: every prompt position of one sequence and the last of another,
+    from the graph that serves ordinary steps."""
+    gm = llama_sdpa.fresh()
+    result = lower(gm)
+    seqs = [[3, 5, 7, 9], [11, 13, 17]]
+    cache = RaggedCache(result.params, batch=2)
+    wanted = [0, 1, 2, 3, 6]
+    tensors = {
+        "input_ids": torch.tensor([t for s in seqs for t in s])[None],
+        "position_ids": torch.tensor([0, 1, 2, 3, 0, 1, 2])[None],
+        **cache.step_inputs([4, 3]),
+        "logit_positions": torch.tensor(wanted, dtype=torch.int32),
+    }
+    with torch.no_grad():
+        logits = gm(*graph_args(gm, llama_sdpa, tensors))[0]
+    assert logits.shape == (1, len(wanted), VOCAB)
+    for row, (seq, upto) in enumerate([(0, 1), (0, 2), (0, 3), (0, 4), (1, 3)]):
+        expected = eager_last_logits(llama_sdpa.model, seqs[seq][:upto])
+        torch.testing.assert_close(logits[0, row], expected, atol=1e-5, rtol=0)
 
 
 def test_last_token_only_graph_without_pruning_is_refused():

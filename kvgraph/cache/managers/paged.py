@@ -248,7 +248,7 @@ class PagedKVCacheManager(KVCacheManager):
                 keep, drop = seq.pages[:num_pages], seq.pages[num_pages:][::-1]
                 num_alloc = max(0, num_pages - len(seq.pages))
             else:  # a first fetch: the sequence holds no page yet
-                match = self._match(req.tokens)
+                match = self._match(req.tokens) if req.reuse_prefix else PrefixMatch()
                 keep, drop = [], []
                 num_alloc = num_pages - len(match.pages)
             plans.append(_Plan(req, seq, reserved, drop, keep, match, num_alloc, not seq.stepped))

@@ -13,7 +13,7 @@ def test_dump_mlir_parses_and_types_the_kv_inputs(kvgraph_cli, tmp_path):
     signature = lowered[: lowered.index("{")]
     # llama-tiny: 2 layers, page_size 16, 2 KV heads of 16
     assert "!torch.vtensor<[?,2,2,16,2,16],f32>" in signature
-    assert signature.count("!torch.vtensor<[?],si32>") == 2  # cache_lengths, input_row_offsets
+    assert signature.count("!torch.vtensor<[?],si32>") == 3  # cache_lengths, input_row_offsets, logit_positions
     assert "!torch.vtensor<[?,?],si32>" in signature and "!torch.vtensor<[?,2],si32>" in signature
     assert lowered.count('torch.operator "torch.kvgraph.ragged_attention"') == 2
     assert "scaled_dot_product" not in lowered
