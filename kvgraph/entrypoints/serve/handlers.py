@@ -83,15 +83,18 @@ async def metrics(s: State) -> Response:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, s: State) -> Response | CompletionResponse:
-    gen = await _start(s, body, body.prompt, body.max_tokens)
+    echo = await _echo(s, body) if body.echo else None
+    gen = await _start(
+        s, body, echo.ids if echo else body.prompt, max(body.max_tokens, 1),
+        prompt_logprobs=body.logprobs if echo else None,
+    )
     rid = f"cmpl-{uuid.uuid4().hex}"
     logprobs = _renderer(s, body)
     if body.stream:
-        return _sse(_completion_chunks(gen, rid, s.model_name, body.include_usage, logprobs))
+        return _sse(_completion_chunks(gen, rid, s.model_name, body.include_usage, logprobs, echo))
     whole = await _whole(gen)
-    return CompletionResponse(
-        id=rid, model=s.model_name, choices=[_completion_choice(whole, logprobs)], usage=_usage(gen)
-    )
+    choice = echo.choice(whole, logprobs) if echo else _completion_choice(whole, logprobs)
+    return CompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=_usage(gen, echo))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -130,8 +133,51 @@ async def detokenize(body: DetokenizeRequest, s: State) -> DetokenizeResponse:
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
 
+@dataclass
+class _Echo:
+    """An echoed prompt (``echo: true``): its ids, its text, and the tokens asked for (``0``: the
+    prompt alone; one token is still generated, as the engine generates at least one, and dropped)."""
+
+    ids: list[int]
+    text: str
+    max_tokens: int
+
+    def prompt_choice(self, piece: Piece, logprobs: LogprobsRenderer | None) -> CompletionChoice:
+        """The prompt's text and log-probabilities (scored on ``piece``'s first token); the text
+        offsets of later tokens start after it. Finished (``"length"``) when nothing else is asked."""
+        scores = piece.events[0].prompt_logprobs if piece.events else None
+        shown = logprobs.prompt(self.ids, scores) if logprobs else None
+        if logprobs:
+            logprobs.offset = len(self.text)
+        return CompletionChoice(text=self.text, logprobs=shown, finish_reason=None if self.max_tokens else "length")
+
+    def choice(self, piece: Piece, logprobs: LogprobsRenderer | None) -> CompletionChoice:
+        """The whole answer: the prompt's choice, then ``piece``'s text and tokens."""
+        first = self.prompt_choice(piece, logprobs)
+        if not self.max_tokens:
+            return first
+        rest = _completion_choice(piece, logprobs)
+        first.text += rest.text
+        first.finish_reason = rest.finish_reason
+        if first.logprobs is not None:
+            first.logprobs.extend(rest.logprobs)
+        return first
+
+
+async def _echo(s: ServeState, body: CompletionRequest) -> _Echo:
+    """The prompt's ids (checked as the engine checks them) and its text."""
+    ids = await asyncio.to_thread(s.llm.encode, body.prompt)
+    if isinstance(body.prompt, str):
+        text = body.prompt
+    else:
+        text = "" if s.llm.tokenizer is None else await asyncio.to_thread(s.llm.tokenizer.decode, ids)
+    return _Echo(ids, text, body.max_tokens)
+
+
 # -- shared steps --
-async def _start(s: ServeState, body: GenerationFields, prompt: Prompt, max_tokens: int) -> Generation:
+async def _start(
+    s: ServeState, body: GenerationFields, prompt: Prompt, max_tokens: int, prompt_logprobs: int | None = None,
+) -> Generation:
     """Check the model name and queue the request (``KVCacheError`` for a prompt the engine refuses)."""
     _check_model(s, body.model)
     sampling = SamplingParams(
@@ -139,6 +185,7 @@ async def _start(s: ServeState, body: GenerationFields, prompt: Prompt, max_toke
         seed=body.seed, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=body.token_bias, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     handle = await s.engine.submit(prompt, sampling)
     return Generation(handle, StopStrings(body.stop), min_tokens=body.min_tokens)
@@ -173,8 +220,9 @@ def _completion_choice(piece: Piece, logprobs: LogprobsRenderer | None) -> Compl
                             logprobs=logprobs.completion(piece.events) if logprobs else None)
 
 
-def _usage(gen: Generation) -> Usage:
-    return Usage.of(gen.handle.prompt_tokens, gen.num_tokens)
+def _usage(gen: Generation, echo: _Echo | None = None) -> Usage:
+    """Tokens of the prompt and generated ones (none for an echo of the prompt alone)."""
+    return Usage.of(gen.handle.prompt_tokens, gen.num_tokens if echo is None or echo.max_tokens else 0)
 
 
 def _sse(chunks: AsyncIterator) -> StreamingResponse:
@@ -183,12 +231,18 @@ def _sse(chunks: AsyncIterator) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    gen: Generation, rid: str, model: str, usage: bool, logprobs: LogprobsRenderer | None
+    gen: Generation, rid: str, model: str, usage: bool, logprobs: LogprobsRenderer | None, echo: _Echo | None,
 ) -> AsyncIterator[CompletionResponse]:
+    prompt_first = echo
     async for piece in gen.pieces():
+        if prompt_first is not None:
+            yield CompletionResponse(id=rid, model=model, choices=[prompt_first.prompt_choice(piece, logprobs)])
+            if not prompt_first.max_tokens:
+                break
+            prompt_first = None
         yield CompletionResponse(id=rid, model=model, choices=[_completion_choice(piece, logprobs)])
     if usage:
-        yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(gen))
+        yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(gen, echo))
 
 
 async def _chat_chunks(

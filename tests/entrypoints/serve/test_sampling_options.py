@@ -158,7 +158,7 @@ BAD_REQUESTS = {
     "min_tokens over max_tokens": ("/v1/completions", {"min_tokens": 20, "max_tokens": 4},
                                    "min_tokens must be an int in [0, max_new_tokens=4], got 20"),
     "logprobs over 20": ("/v1/completions", {"logprobs": 21}, "logprobs: Input should be less than or equal to 20 (got 21)"),
-    "echo": ("/v1/completions", {"echo": True}, "echo=true is not supported"),
+    "max_tokens 0 without echo": ("/v1/completions", {"max_tokens": 0}, "max_tokens=0 needs echo=true"),
     "best_of 2": ("/v1/completions", {"best_of": 2}, "best_of=2 is not supported (only 1)"),
     "n 2": ("/v1/completions", {"n": 2}, "n=2 is not supported"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs=2 needs logprobs=true"),
@@ -182,7 +182,7 @@ def test_bad_values_get_a_400_naming_them(server, case):
 
 
 def test_the_openai_client_raises_for_refused_options(client):
-    with pytest.raises(openai.BadRequestError, match="echo=true is not supported"):
-        client.completions.create(model=MODEL, prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="best_of=2"):
+        client.completions.create(model=MODEL, prompt="x", best_of=2)
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], presence_penalty=9)

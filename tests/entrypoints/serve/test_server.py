@@ -116,7 +116,7 @@ def test_concurrent_requests_equal_their_runs_alone(server, client, reference):
 
 
 BAD_REQUESTS = {
-    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1 (got -1)"),
+    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 0 (got -1)"),
     "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model 'gpt-4' does not exist; this server serves 'llama-tiny'"),
     "prompt over max_seq_len": ({"prompt": [5] * (MAX_SEQ_LEN + 1)}, 400, f"prompt of {MAX_SEQ_LEN + 1} tokens is longer than max_seq_len={MAX_SEQ_LEN}"),
     "n > 1": ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
