@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Requests validate what the engine cannot run (``n > 1``, ``best_of > 1``, ``suffix``)
+Requests validate what the engine cannot run (``suffix``, more than ``MAX_SAMPLES`` samples)
 with an error naming the field and the value, so that no request is silently answered
 differently from what it asked. Unknown fields are ignored, as OpenAI's own server does for
 fields it does not know.
@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvgraph.engine.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
 
 # -- requests --
+
+MAX_SAMPLES = 16
+"""The most samples one request may ask for (``n``, ``best_of``)."""
 
 
 class StreamOptions(BaseModel):
@@ -79,8 +82,8 @@ class GenerationFields(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationFields:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: this server returns one choice per request (n=1)")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         return self
 
     @property
@@ -127,8 +130,11 @@ class CompletionRequest(GenerationFields):
     def _completion_supported(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 needs echo=true: without the prompt there is nothing to return")
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of={self.best_of} is not supported (only 1): one sequence is generated per request")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_SAMPLES:
+                raise ValueError(f"best_of must be in [n={self.n}, {MAX_SAMPLES}], got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise ValueError(f"best_of={self.best_of} > n={self.n} cannot stream: the best are known at the end")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
