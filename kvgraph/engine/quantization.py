@@ -22,10 +22,6 @@ Needs the ``quant`` extra (torchao).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -77,7 +73,7 @@ def quantize(model: nn.Module, scheme: str, *, lm_head: bool = False) -> nn.Modu
     embedding (quantizing it would keep both copies).
     """
     check_quantization(scheme, None, 1)
-    require_extra("quant", f"quantization={scheme!r}", "torchao")
+    require_extra("quant", f"quantization={scheme!r}", "torchao.quantization")
     check_quantized_dtype(scheme, model_dtype(model))
     head = output_projection(model)
     if lm_head and head is not None and _tied(model, head):
@@ -91,8 +87,7 @@ def quantize(model: nn.Module, scheme: str, *, lm_head: bool = False) -> nn.Modu
             f"quantization={scheme!r} found no nn.Linear layer to quantize in {type(model).__name__}"
             f"{'' if lm_head else ' besides its vocabulary projection'}"
         )
-    with _quiet_import():
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     chosen_ids = {id(m) for m in chosen}
     # set_inductor_config=False: torchao's recommended settings would change Inductor's config for
@@ -131,17 +126,3 @@ def _storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
         return [t]
     names, _ = t.__tensor_flatten__()
     return [inner for name in names for inner in _storage_tensors(getattr(t, name))]
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    """Import torchao without its warnings about the CUDA kernels a CPU build cannot load."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
