@@ -73,7 +73,7 @@ def quantize(model: nn.Module, scheme: str, *, lm_head: bool = False) -> nn.Modu
     embedding (quantizing it would keep both copies).
     """
     check_quantization(scheme, None, 1)
-    require_extra("quant", f"quantization={scheme!r}", "torchao.quantization")
+    require_extra("quant", f"quantization={scheme!r}", "torchao")
     check_quantized_dtype(scheme, model_dtype(model))
     head = output_projection(model)
     if lm_head and head is not None and _tied(model, head):
