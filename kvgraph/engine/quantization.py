@@ -111,6 +111,21 @@ def _tied(model: nn.Module, head: nn.Module) -> bool:
     return embedding is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
 
 
+def dequantized(model: nn.Module) -> nn.Module:
+    """Make every quantized weight of ``model`` a plain parameter again, in place; returns ``model``.
+
+    The values are those the quantized weight stands for (int8 times its scale): a copy made this
+    way and cast to float64 is the exact model a quantized one rounds.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if is_traceable_wrapper_subclass(p):
+                setattr(module, name, nn.Parameter(p.dequantize(), requires_grad=False))
+    return model
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the module's parameters and buffers as stored: a quantized weight counts its int8
     data and its scales, a weight shared by two modules (tied embeddings) once."""

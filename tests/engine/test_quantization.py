@@ -5,6 +5,7 @@ Quality is measured against float32 with bfloat16's own error as the yardstick (
 runs in bfloat16): the measured figures are in the comments beside each bound.
 """
 
+import copy
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ import kvgraph
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.quantization import (
     QUANTIZATION_SCHEMES,
+    dequantized,
     output_projection,
     quantize,
     weight_bytes,
@@ -94,6 +96,17 @@ def test_linear_weights_become_int8_and_the_lm_head_only_on_request(preset):
     assert body.model.embed_tokens.weight.dtype == torch.bfloat16
     # llama-tiny: 214432 bytes in bfloat16, 145824 int8, 130543 with the lm_head too
     assert weight_bytes(full) < weight_bytes(body) < 0.7 * weight_bytes(plain)
+
+
+def test_a_dequantized_copy_computes_what_the_quantized_model_does():
+    model = bf16("llama-tiny", SCHEME, lm_head=True)
+    plain = dequantized(copy.deepcopy(model))
+    assert all(type(p) is torch.nn.Parameter for p in plain.parameters())
+    ids = token_stream(16)
+    with torch.no_grad():
+        a, b = model(torch.tensor([ids])).logits, plain(torch.tensor([ids])).logits
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0)  # the same product, rounded apart in bf16
+    assert plain.to(torch.float64)(torch.tensor([ids])).logits.dtype == torch.float64
 
 
 # -- quality against float32 --

@@ -49,3 +49,10 @@ def test_dump_lowers_the_quantized_model_onto_the_same_op(kvgraph_cli):
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("kvgraph.ragged_attention") == 2
     assert "kv_blocks               kv        bfloat16" in done.stdout
+
+
+def test_bench_runs_the_quantized_model_and_explains_its_mismatches(kvgraph_cli, fast_flags):
+    done = kvgraph_cli("bench", "--model", "llama-tiny", *QUANT, *fast_flags, "--requests", "2", "--workload",
+                       "mixed", "--max-new-tokens", "8", "--no-floor", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "2 graphs compiled in warm-up, 0 recompiles after it" in done.stderr
