@@ -180,8 +180,9 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
                 f"takes its share of the host's cores; set OMP_NUM_THREADS per rank under torchrun instead"
             )
         torch.set_num_threads(args.threads)
+    config = engine_config(args, progress=progress)  # checked before the model loads
     model, tokenizer = load_model_arg(args)
-    llm = LLM(model, tokenizer=tokenizer, config=engine_config(args, progress=progress))
+    llm = LLM(model, tokenizer=tokenizer, config=config)
     return llm if llm.rank == 0 else None
 
 

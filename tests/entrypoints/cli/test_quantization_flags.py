@@ -56,3 +56,11 @@ def test_bench_runs_the_quantized_model_and_explains_its_mismatches(kvgraph_cli,
                        "mixed", "--max-new-tokens", "8", "--no-floor", "--no-progress")
     assert done.returncode == 0, done.stderr
     assert "2 graphs compiled in warm-up, 0 recompiles after it" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "dump"])
+def test_tensor_parallelism_is_refused_before_the_model_loads(command, capsys, monkeypatch):
+    for module in ("common", "dump"):
+        monkeypatch.setattr(f"kvgraph.entrypoints.cli.{module}.load_model_arg", lambda args: pytest.fail("loaded"))
+    assert main([command, "--model", "llama-tiny", *QUANT, "--tensor-parallel-size", "2"]) == 1
+    assert "quantization runs on 1 rank only" in capsys.readouterr().err
