@@ -101,7 +101,7 @@ async def completions(body: CompletionRequest, s: State) -> Response | Completio
     renderers = [_renderer(s, body) for _ in samples.gens]
     if body.stream:
         return _sse(_completion_chunks(samples, rid, s.model_name, body.include_usage, renderers, echo))
-    wholes = await _wholes(samples, stop_at_prompt=echo is not None and not echo.max_tokens)
+    wholes = await _wholes(samples)
     order = range(len(wholes)) if best_of == body.n else best_first(wholes)[: body.n]
     choices = [completion_choice(wholes[i], renderers[i], echo) for i in order]
     for index, choice in enumerate(choices):
@@ -193,11 +193,9 @@ def _renderer(s: ServeState, body: GenerationFields) -> LogprobsRenderer | None:
     return LogprobsRenderer(s.llm.tokenizer) if body.num_logprobs is not None else None
 
 
-async def _wholes(samples: Samples, stop_at_prompt: bool = False) -> list[Piece]:
-    """Every sample's text and tokens; none when only the (echoed) prompt is wanted."""
-    if stop_at_prompt:
-        samples.abort()
-        return [Piece("") for _ in samples.gens]
+async def _wholes(samples: Samples) -> list[Piece]:
+    """Every sample's text and tokens (an echo of the prompt alone waits for its one dropped token,
+    so the request finishes as asked rather than as aborted)."""
     try:
         return await samples.wholes()
     except EngineFailure as e:
@@ -226,12 +224,12 @@ async def _completion_chunks(
             first = echo.prompt_choice(renderers[index])
             first.index = index
             yield CompletionResponse(id=rid, model=model, choices=[first])
-    if echo is None or echo.max_tokens:
-        async for index, piece in samples.pieces():
-            choice = completion_choice(piece, renderers[index])
-            choice.index = index
-            yield CompletionResponse(id=rid, model=model, choices=[choice])
-    samples.abort()
+    async for index, piece in samples.pieces():
+        if echo is not None and not echo.max_tokens:
+            continue  # the one token an echo of the prompt alone generates is dropped
+        choice = completion_choice(piece, renderers[index])
+        choice.index = index
+        yield CompletionResponse(id=rid, model=model, choices=[choice])
     if usage:
         yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(samples, echo))
 

@@ -43,8 +43,11 @@ def _check_prompt_part(lp, reference: LLM, ids: list[int], top: int) -> None:
                 assert alternatives[text] == pytest.approx(value, abs=1e-4)
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, reference):
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server, reference):
+    aborted = 'kvgraph_requests_finished_total{finish_reason="abort"}'
+    before = server.metric(aborted)
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    assert server.metric(aborted) == before  # the request finishes, it is not aborted
     choice = out.choices[0]
     assert choice.text == reference.tokenizer.decode(PROMPT)
     assert choice.finish_reason == "length"
