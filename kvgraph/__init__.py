@@ -7,8 +7,26 @@ light parts (params, managers) do not pull in the compiler stack.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+_IMPORT_NOISE = {
+    "torchao": "Failed to load ",
+    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
+}
+"""Warnings dropped from these loggers (by the start of their message): transformers imports torchao
+(the ``quant`` extra) whenever it is installed, which then says that its CUDA kernels do not load
+on a CPU-only torch and calls an Enum registration torch has deprecated, on every run."""
+
+
+def _drop_import_noise(record: logging.LogRecord) -> bool:
+    start = _IMPORT_NOISE.get(record.name)
+    return start is None or not str(record.msg).startswith(start)
+
+
+for _name in _IMPORT_NOISE:
+    logging.getLogger(_name).addFilter(_drop_import_noise)
 
 _EXPORTS = {
     "kvgraph.errors": [

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgraph.cache.params import KVCacheStrategy, check_positive_int, parse_device
+from kvgraph.engine.quantization import check_quantization
 from kvgraph.errors import ConfigError
 
 COMPILE_MODES = ("inductor", "eager")
@@ -45,6 +46,11 @@ class EngineConfig:
             engine is made (``kvgraph.engine.threads``). Off by default: Dynamo guards on the
             thread count, so the first step at each new count re-traces the model (its graphs then
             come from Inductor's cache) and counts as a recompile.
+        quantization: store the linear layers' weights quantized before capture: ``None``, or one
+            of ``kvgraph.engine.quantization.QUANTIZATION_SCHEMES`` (``"int8-weight-only"``: int8
+            weights with a scale per row; needs ``dtype=torch.bfloat16``, one rank and the
+            ``quant`` extra).
+        quantize_lm_head: quantize the vocabulary projection too (with ``quantization`` only).
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -66,6 +72,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
     adaptive_threads: bool = False
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
@@ -76,8 +84,12 @@ class EngineConfig:
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
-                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads)
+                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
+                    quantize_lm_head=self.quantize_lm_head)
         check_dtype(self.dtype)
+        check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ConfigError("quantize_lm_head=True needs a quantization scheme, got quantization=None")
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         object.__setattr__(self, "device", resolve_device(self.device))
 

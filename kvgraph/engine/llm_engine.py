@@ -407,8 +407,10 @@ class LLMEngine:
                 request.detokenizer = IncrementalDetokenizer(self.tokenizer)
             text = request.detokenizer.delta(request.output_ids, final=request.finished)
         reason = request.finish_reason.value if request.finished else None
+        scores = request.prompt_logprobs
         event = TokenEvent(request_id=request.request_id, token_id=token, text=text, finish_reason=reason,
-                           logprobs=logprobs)
+                           logprobs=logprobs,
+                           prompt_logprobs=tuple(scores) if scores is not None and len(request.output_ids) == 1 else None)
         if inbox is not None:
             inbox.events.append(event)
         return event

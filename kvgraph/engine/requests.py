@@ -166,6 +166,8 @@ class TokenEvent:
         error: the exception of a failed step (``"RuntimeError: ..."``), else ``None``.
         prompt_index: from ``LLM.stream``, the prompt's position in that call; ``None`` elsewhere.
         logprobs: the token's log-probabilities when the request asked for them, else ``None``.
+        prompt_logprobs: on a request's first token when it scored its prompt
+            (``SamplingParams.prompt_logprobs``): one entry per prompt token, ``None`` for the first.
     """
 
     request_id: int
@@ -175,3 +177,4 @@ class TokenEvent:
     error: str | None = None
     prompt_index: int | None = None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None

@@ -21,6 +21,7 @@ from kvgraph.cache.params import KVCacheParams
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.loading import make_manager, model_kv_params
 from kvgraph.engine.progress import CompileProgress
+from kvgraph.engine.quantization import quantize
 from kvgraph.engine.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -96,8 +97,9 @@ class PreparedModel:
 
 
 def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrategy) -> PreparedModel:
-    """Place ``model`` with ``strategy``, read its cache params, shard it, build its manager
-    (``config.kv_cache_memory`` split over the ranks) and compile it as ``config`` says.
+    """Place ``model`` with ``strategy``, quantize its weights (``config.quantization``), read its
+    cache params, shard it, build its manager (``config.kv_cache_memory`` split over the ranks) and
+    compile it as ``config`` says.
 
     The compiler stack is imported here, with the first engine, so that importing
     ``kvgraph.engine`` (the CLI's flags read ``EngineConfig``) stays light."""
@@ -105,6 +107,8 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
 
     device = strategy.device(config.device)
     model = model.to(device=device, dtype=config.dtype).eval()
+    if config.quantization is not None:
+        model = quantize(model, config.quantization, lm_head=config.quantize_lm_head)
     params = model_kv_params(
         model, cache_strategy=config.cache_strategy, page_size=config.page_size,
         enable_prefix_caching=config.enable_prefix_caching, device=device,

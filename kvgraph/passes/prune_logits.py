@@ -18,7 +18,9 @@ refused if pruning is disabled.
 
 On the CPU (``packed_projection=True``) the pruned projection becomes ``kvgraph::linear``
 (:mod:`kvgraph.ops.linear`): the same product, with the weight packed once for oneDNN, which
-is about twice as fast as ``F.linear`` for the skinny GEMM of a decode step.
+is about twice as fast as ``F.linear`` for the skinny GEMM of a decode step. A weight that is a
+tensor subclass (a quantized weight, such as torchao's) keeps ``F.linear``, which
+its subclass implements.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def run(
             if site.drops_token_dim:
                 new.append(graph.call_function(operator.getitem, (rows, 0)))  # [num_logits, C]
         site.linear.replace_input_with(site.linear.args[0], new[-1])
-        if packed_projection and site.linear.op == "call_function":
+        if packed_projection and site.linear.op == "call_function" and _plain_weight(site.linear):
             _to_packed_linear(site.linear)
         for node in (*new, *site.chain):
             _refresh(node, fake_mode)
@@ -129,6 +131,14 @@ def _add_positions(gm: torch.fx.GraphModule, after: Node, fake_mode) -> Node:
     node.meta["val"] = node.meta["example_value"] = fake
     node._dynamo_source = None  # aot_autograd expects one on every placeholder of a Dynamo graph
     return node
+
+
+def _plain_weight(linear: Node) -> bool:
+    """Whether the weight of ``linear(x, W[, b])`` is a plain tensor, not a subclass (a quantized weight)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+    return not is_traceable_wrapper_subclass(meta_value(weight))
 
 
 def _to_packed_linear(linear: Node) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 import kvgraph
 from kvgraph.errors import RankFailedError
@@ -53,6 +54,20 @@ def test_greedy_tokens_equal_one_process_with_prefix_caching_and_preemption(engi
     assert rest[0].cached_tokens > 0 and rest[2].cached_tokens > 0
     assert stats["preemptions"] > 0  # 10 pages cannot hold the three running sequences at once
     assert engine.manager.blocks.shape[4] == 1  # rank 0 holds 1 of the 2 KV heads
+
+
+def test_prompt_scores_equal_the_models_log_softmax_with_every_rank_taking_the_positions(engine):
+    """A scoring request beside a plain one: rank 1 receives the step's logit positions too."""
+    model, _ = load_preset("llama-tiny")
+    sampling = [kvgraph.SamplingParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1),
+                kvgraph.SamplingParams(max_new_tokens=2, ignore_eos=True)]
+    scored, plain = engine.generate([PROMPTS[0], PROMPTS[2]], sampling)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(input_ids=torch.tensor([PROMPTS[0]])).logits[0].double(), -1)
+    assert scored.prompt_logprobs[0] is None and plain.prompt_logprobs is None
+    for i, entry in enumerate(scored.prompt_logprobs[1:], start=1):
+        assert entry.logprob == pytest.approx(float(expected[i - 1, PROMPTS[0][i]]), abs=1e-4)
+    assert plain.token_ids == greedy(model, PROMPTS[2], 2)
 
 
 def test_a_killed_rank_is_named_and_does_not_hang(engine):

@@ -139,3 +139,20 @@ def test_disabled_pruning_keeps_every_token(llama_sdpa):
     assert not result.logits_pruned and count_calls(gm, "index_select") == 0
     logits = gm.graph.output_node().args[0][0]
     assert meta_value(logits).shape[1].node.expr == meta_value(result.sites[0].q).shape[2].node.expr
+
+
+def test_a_quantized_projection_keeps_f_linear_and_runs_on_the_last_tokens():
+    """A tensor-subclass weight (torchao's int8) implements F.linear, not kvgraph::linear."""
+    from kvgraph.engine.quantization import quantize
+
+    model = TinyDecoder(causal).to(torch.bfloat16)
+    quantize(model, "int8-weight-only", lm_head=True)
+    cap = capture(model, **model_kwargs())
+    gm = cap.fresh()
+    result = lower(gm)
+    assert result.logits_pruned
+    assert count_calls(gm, "linear.default") == 0  # kvgraph::linear
+    seqs = [[3, 5, 7], [11, 13]]
+    logits = run_step(gm, cap, RaggedCache(result.params, batch=2), seqs)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(logits[0, b], eager_last_logits(model, s), atol=2e-2, rtol=0)

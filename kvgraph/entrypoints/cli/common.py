@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from kvgraph.engine.config import COMPILE_MODES, EngineConfig
+from kvgraph.engine.quantization import QUANTIZATION_SCHEMES
 from kvgraph.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -109,9 +110,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="between steps, run the kernels on the cores other processes leave free (from 1 "
                    "up to --threads) instead of a fixed thread count; the first step at each new count "
                    "re-traces the model"),
+    add_quantization_args(g)
     g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
                    help="split the model's heads and MLP over this many ranks (default %(default)s): "
                    "spawned on this host, or the ranks torchrun started")
+
+
+def add_quantization_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--quantization`` and ``--quantize-lm-head`` (``EngineConfig.quantization``, ``quantize_lm_head``)."""
+    parser.add_argument("--quantization", choices=QUANTIZATION_SCHEMES, default=_default("quantization"),
+                        help="store the linear layers' weights quantized (int8 with a scale per row; needs "
+                        "--dtype bfloat16 and the 'quant' extra: pip install 'kvgraph[quant]'); default: as loaded")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --quantization, quantize the vocabulary projection too")
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -169,8 +180,9 @@ def build_llm(args: argparse.Namespace, *, progress: bool = True):
                 f"takes its share of the host's cores; set OMP_NUM_THREADS per rank under torchrun instead"
             )
         torch.set_num_threads(args.threads)
+    config = engine_config(args, progress=progress)  # checked before the model loads
     model, tokenizer = load_model_arg(args)
-    llm = LLM(model, tokenizer=tokenizer, config=engine_config(args, progress=progress))
+    llm = LLM(model, tokenizer=tokenizer, config=config)
     return llm if llm.rank == 0 else None
 
 

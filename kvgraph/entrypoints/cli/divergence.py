@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from kvgraph.engine.quantization import dequantized
+
 NOISE_FACTOR = 2.0
 """A token counts as tied with the best when its logit is within this many times the rounding error."""
 
@@ -55,7 +57,8 @@ def explain(
     Args:
         model: the reference model (a Hugging Face causal LM), in the dtype both systems ran.
         prompts: token ids per request; ours / theirs: each system's generated ids per request.
-        exact: the same model in float64 (default: a float64 copy of ``model``, made only if needed).
+        exact: the same model in float64 (default: a float64 copy of ``model``, made only if needed;
+            a quantized weight is copied as the values it stands for).
 
     Returns:
         ``[{"request", "token", "ours", "theirs", "best", "gap_ours", "gap_theirs", "noise", "bound",
@@ -69,7 +72,7 @@ def explain(
         if at is None:
             continue
         if exact is None:
-            exact = copy.deepcopy(model).to(torch.float64)
+            exact = dequantized(copy.deepcopy(model)).to(torch.float64)
         ids = torch.tensor([prompt + a[:at]], device=device)
         logits = _next_logits(model, ids)
         noise = float((logits - _next_logits(exact, ids)).abs().max())

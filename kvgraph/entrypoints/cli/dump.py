@@ -14,6 +14,7 @@ from kvgraph.entrypoints.cli.common import (
     DTYPES,
     add_cache_args,
     add_model_args,
+    add_quantization_args,
     load_model_arg,
     positive_int,
 )
@@ -33,6 +34,7 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(p)
     add_cache_args(p)
+    add_quantization_args(p)
     p.add_argument("--stage", choices=(*STAGES, "all"), default="all", help="default: all")
     p.add_argument("--format", choices=FORMATS, default="table", help="default: table")
     p.add_argument("--prompt-len", type=positive_int, default=8, help="tokens of the example step (default 8)")
@@ -63,11 +65,15 @@ def capture(args: argparse.Namespace) -> Captured:
     from kvgraph.compiler import backend
     from kvgraph.compiler.step import run_step
     from kvgraph.engine.loading import model_kv_params
+    from kvgraph.engine.quantization import check_quantization, quantize
 
+    check_quantization(args.quantization, DTYPES.get(args.dtype), args.tensor_parallel_size)
     model, _ = load_model_arg(args)
     model = model.eval()
     if args.dtype:
         model = model.to(DTYPES[args.dtype])
+    if args.quantization:
+        model = quantize(model, args.quantization, lm_head=args.quantize_lm_head)
     device = next(model.parameters()).device
     kw = dict(cache_strategy=args.cache, page_size=args.page_size, enable_prefix_caching=False, device=device)
     params = model_kv_params(model, **kw)

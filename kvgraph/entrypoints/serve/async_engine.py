@@ -70,12 +70,24 @@ class RequestHandle:
         self.engine, self.request_id, self.prompt_tokens = engine, request_id, prompt_tokens
         self.stream = stream
         self.finished = False
+        self._head: TokenEvent | EngineFailure | None = None  # the first item, once started() waited for it
+
+    async def started(self) -> None:
+        """Wait until the request's first token (or its failure) came, without taking it: its prompt
+        is then in the cache (and in the prefix cache, for the requests that follow)."""
+        if self._head is None and not self.finished:
+            self._head = await self.stream.queue.get()
+
+    @property
+    def first_event(self) -> TokenEvent | None:
+        """The first token's event once :meth:`started` waited for it (``None`` before, or after a failure)."""
+        return self._head if isinstance(self._head, TokenEvent) else None
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         """The request's tokens as they come; the last one has a ``finish_reason``. Raises
         ``EngineFailure`` if the engine aborted the request."""
         while not self.finished:
-            item = await self.stream.queue.get()
+            item, self._head = (self._head, None) if self._head is not None else (await self.stream.queue.get(), None)
             if isinstance(item, EngineFailure):
                 self.finished = True
                 raise item

@@ -17,6 +17,7 @@ from kvgraph.engine.prompts import Prompt, check_token_ids
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.chat import chat_prompt
+from kvgraph.entrypoints.serve.choices import PromptEcho, best_first, completion_choice, prompt_echo
 from kvgraph.entrypoints.serve.errors import APIError, engine_failure, model_not_found
 from kvgraph.entrypoints.serve.logprobs import LogprobsRenderer
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
@@ -28,7 +29,6 @@ from kvgraph.entrypoints.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -40,6 +40,7 @@ from kvgraph.entrypoints.serve.protocol import (
     TokenizeResponse,
     Usage,
 )
+from kvgraph.entrypoints.serve.samples import Samples, start_samples
 from kvgraph.entrypoints.serve.stop import StopStrings
 from kvgraph.entrypoints.serve.streaming import Generation, Piece, server_sent_events
 from kvgraph.errors import EngineFailure
@@ -83,29 +84,50 @@ async def metrics(s: State) -> Response:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, s: State) -> Response | CompletionResponse:
-    gen = await _start(s, body, body.prompt, body.max_tokens)
+    echo = await prompt_echo(s.llm, body) if body.echo else None
+    best_of = body.best_of or body.n
+    # best_of > n ranks the samples by their tokens' log-probabilities: every sample reports them
+    logprobs = body.logprobs if best_of == body.n else (body.logprobs or 0)
+
+    async def start(i: int) -> Generation:
+        return await _start(s, body, echo.ids if echo else body.prompt, max(body.max_tokens, 1),
+                            prompt_logprobs=body.logprobs if echo and i == 0 else None, seed=_seed(body, i),
+                            logprobs=logprobs)
+
+    samples = await start_samples(best_of, start)
+    if echo is not None:
+        await echo.take_scores(samples.gens[0].handle)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    logprobs = _renderer(s, body)
+    renderers = [_renderer(s, body) for _ in samples.gens]
     if body.stream:
-        return _sse(_completion_chunks(gen, rid, s.model_name, body.include_usage, logprobs))
-    whole = await _whole(gen)
-    return CompletionResponse(
-        id=rid, model=s.model_name, choices=[_completion_choice(whole, logprobs)], usage=_usage(gen)
-    )
+        return _sse(_completion_chunks(samples, rid, s.model_name, body.include_usage, renderers, echo))
+    wholes = await _wholes(samples)
+    order = range(len(wholes)) if best_of == body.n else best_first(wholes)[: body.n]
+    choices = [completion_choice(wholes[i], renderers[i], echo) for i in order]
+    for index, choice in enumerate(choices):
+        choice.index = index
+    return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=_usage(samples, echo))
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, s: State) -> Response | ChatCompletionResponse:
     prompt = chat_prompt(s.llm.tokenizer, body.messages)
-    gen = await _start(s, body, prompt, body.max_tokens or s.llm.max_seq_len)
+
+    async def start(i: int) -> Generation:
+        return await _start(s, body, prompt, body.max_tokens or s.llm.max_seq_len, seed=_seed(body, i))
+
+    samples = await start_samples(body.n, start)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    logprobs = _renderer(s, body)
+    renderers = [_renderer(s, body) for _ in samples.gens]
     if body.stream:
-        return _sse(_chat_chunks(gen, rid, s.model_name, body.include_usage, logprobs))
-    whole = await _whole(gen)
-    choice = ChatChoice(message=AssistantMessage(content=whole.text), finish_reason=whole.finish_reason,
-                        logprobs=logprobs.chat(whole.events) if logprobs else None)
-    return ChatCompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=_usage(gen))
+        return _sse(_chat_chunks(samples, rid, s.model_name, body.include_usage, renderers))
+    wholes = await _wholes(samples)
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=whole.text), finish_reason=whole.finish_reason,
+                   logprobs=renderers[i].chat(whole.events) if renderers[i] else None)
+        for i, whole in enumerate(wholes)
+    ]
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=_usage(samples))
 
 
 @router.post("/tokenize")
@@ -131,17 +153,27 @@ async def detokenize(body: DetokenizeRequest, s: State) -> DetokenizeResponse:
 
 
 # -- shared steps --
-async def _start(s: ServeState, body: GenerationFields, prompt: Prompt, max_tokens: int) -> Generation:
-    """Check the model name and queue the request (``KVCacheError`` for a prompt the engine refuses)."""
+async def _start(
+    s: ServeState, body: GenerationFields, prompt: Prompt, max_tokens: int, *, seed: int | None,
+    prompt_logprobs: int | None = None, logprobs: int | None = None,
+) -> Generation:
+    """Check the model name and queue one sample (``KVCacheError`` for a prompt the engine refuses);
+    ``logprobs`` defaults to what the body asks for."""
     _check_model(s, body.model)
     sampling = SamplingParams(
         max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-        seed=body.seed, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+        seed=seed, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.token_bias, min_tokens=body.min_tokens, logprobs=body.num_logprobs,
+        logit_bias=body.token_bias, min_tokens=body.min_tokens,
+        logprobs=body.num_logprobs if logprobs is None else logprobs, prompt_logprobs=prompt_logprobs,
     )
     handle = await s.engine.submit(prompt, sampling)
     return Generation(handle, StopStrings(body.stop), min_tokens=body.min_tokens)
+
+
+def _seed(body: GenerationFields, i: int) -> int | None:
+    """Sample ``i``'s seed: ``seed + i`` (each sample its own stream), unseeded without one."""
+    return None if body.seed is None else body.seed + i
 
 
 def _check_model(s: ServeState, model: str | None) -> None:
@@ -157,24 +189,23 @@ def _tokenizer(s: ServeState, model: str | None) -> object:
 
 
 def _renderer(s: ServeState, body: GenerationFields) -> LogprobsRenderer | None:
-    """The request's log-probabilities renderer, ``None`` when it asked for none."""
+    """A sample's log-probabilities renderer, ``None`` when the request asked for none."""
     return LogprobsRenderer(s.llm.tokenizer) if body.num_logprobs is not None else None
 
 
-async def _whole(gen: Generation) -> Piece:
+async def _wholes(samples: Samples) -> list[Piece]:
+    """Every sample's text and tokens (an echo of the prompt alone waits for its one dropped token,
+    so the request finishes as asked rather than as aborted)."""
     try:
-        return await gen.whole()
+        return await samples.wholes()
     except EngineFailure as e:
         raise engine_failure(str(e)) from e
 
 
-def _completion_choice(piece: Piece, logprobs: LogprobsRenderer | None) -> CompletionChoice:
-    return CompletionChoice(text=piece.text, finish_reason=piece.finish_reason,
-                            logprobs=logprobs.completion(piece.events) if logprobs else None)
-
-
-def _usage(gen: Generation) -> Usage:
-    return Usage.of(gen.handle.prompt_tokens, gen.num_tokens)
+def _usage(samples: Samples, echo: PromptEcho | None = None) -> Usage:
+    """The prompt's tokens once, and every sample's generated tokens (none for an echo of the prompt alone)."""
+    generated = samples.completion_tokens if echo is None or echo.max_tokens else 0
+    return Usage.of(samples.prompt_tokens, generated)
 
 
 def _sse(chunks: AsyncIterator) -> StreamingResponse:
@@ -183,22 +214,37 @@ def _sse(chunks: AsyncIterator) -> StreamingResponse:
 
 
 async def _completion_chunks(
-    gen: Generation, rid: str, model: str, usage: bool, logprobs: LogprobsRenderer | None
+    samples: Samples, rid: str, model: str, usage: bool, renderers: list[LogprobsRenderer | None],
+    echo: PromptEcho | None,
 ) -> AsyncIterator[CompletionResponse]:
-    async for piece in gen.pieces():
-        yield CompletionResponse(id=rid, model=model, choices=[_completion_choice(piece, logprobs)])
+    """Each sample's pieces as chunks of its choice index; an echoed prompt comes first, each
+    sample's own chunk (alone when ``max_tokens`` is 0)."""
+    if echo is not None:
+        for index in range(len(samples.gens)):
+            first = echo.prompt_choice(renderers[index])
+            first.index = index
+            yield CompletionResponse(id=rid, model=model, choices=[first])
+    async for index, piece in samples.pieces():
+        if echo is not None and not echo.max_tokens:
+            continue  # the one token an echo of the prompt alone generates is dropped
+        choice = completion_choice(piece, renderers[index])
+        choice.index = index
+        yield CompletionResponse(id=rid, model=model, choices=[choice])
     if usage:
-        yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(gen))
+        yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(samples, echo))
 
 
 async def _chat_chunks(
-    gen: Generation, rid: str, model: str, usage: bool, logprobs: LogprobsRenderer | None
+    samples: Samples, rid: str, model: str, usage: bool, renderers: list[LogprobsRenderer | None],
 ) -> AsyncIterator[ChatCompletionChunk]:
-    yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-    async for piece in gen.pieces():
+    for index in range(len(samples.gens)):
+        yield ChatCompletionChunk(id=rid, model=model, choices=[
+            ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    async for index, piece in samples.pieces():
         delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
-        choice = ChatChunkChoice(delta=delta, finish_reason=piece.finish_reason,
-                                 logprobs=logprobs.chat(piece.events) if logprobs else None)
+        renderer = renderers[index]
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=piece.finish_reason,
+                                 logprobs=renderer.chat(piece.events) if renderer else None)
         yield ChatCompletionChunk(id=rid, model=model, choices=[choice])
     if usage:
-        yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(gen))
+        yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(samples))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvgraph.engine import TokenEvent
+from kvgraph.engine.prompt_logprobs import PromptLogprob
 from kvgraph.entrypoints.serve.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -42,15 +43,31 @@ class LogprobsRenderer:
         out = CompletionLogprobs()
         for event in events:
             token, logprob = self.text(event.token_id), _shown(event.logprobs.logprob)
-            top = {}
-            for t, v in event.logprobs.top:
-                top.setdefault(self.text(t), _shown(v))
-            top[token] = logprob
+            top = self._top(event.logprobs.top, token, logprob)
             out.tokens.append(token)
             out.token_logprobs.append(logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
             self.offset += len(event.text or "")
+        return out
+
+    def prompt(self, ids: Sequence[int], scores: Sequence[PromptLogprob | None] | None) -> CompletionLogprobs:
+        """An echoed prompt's tokens in the shape of :meth:`completion`: its first token, which
+        nothing predicts, has ``None`` for its log-probability and alternatives; ``scores`` from
+        ``TokenEvent.prompt_logprobs``."""
+        out = CompletionLogprobs()
+        for i, token_id in enumerate(ids):
+            token = self.text(token_id)
+            score = scores[i] if scores is not None and i < len(scores) else None
+            out.tokens.append(token)
+            out.text_offset.append(self.offset)
+            self.offset += len(token)
+            if score is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_shown(score.logprob))
+            out.top_logprobs.append(self._top(score.top, token, _shown(score.logprob)))
         return out
 
     def chat(self, events: Sequence[TokenEvent]) -> ChatLogprobs:
@@ -71,6 +88,14 @@ class LogprobsRenderer:
                 f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
             )
         return self._texts[token_id]
+
+    def _top(self, top: Sequence[tuple[int, float]], token: str, logprob: float) -> dict[str, float]:
+        """``{text: logprob}`` of the alternatives, the chosen ``token`` always among them."""
+        shown: dict[str, float] = {}
+        for t, v in top:
+            shown.setdefault(self.text(t), _shown(v))
+        shown[token] = logprob
+        return shown
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         token = self.text(token_id)

@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Requests validate what the engine cannot run (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``)
+Requests validate what the engine cannot run (``suffix``, more than ``MAX_SAMPLES`` samples)
 with an error naming the field and the value, so that no request is silently answered
 differently from what it asked. Unknown fields are ignored, as OpenAI's own server does for
 fields it does not know.
@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvgraph.engine.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
 
 # -- requests --
+
+MAX_SAMPLES = 16
+"""The most samples one request may ask for (``n``, ``best_of``)."""
 
 
 class StreamOptions(BaseModel):
@@ -79,8 +82,8 @@ class GenerationFields(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationFields:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: this server returns one choice per request (n=1)")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         return self
 
     @property
@@ -102,11 +105,14 @@ class CompletionRequest(GenerationFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    """0 only with ``echo``: the prompt (and its log-probabilities) alone, nothing generated."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """Each token's log-probability and the ``logprobs`` most likely tokens' (up to ``logprobs + 1``
     entries: the chosen token is always there)."""
     echo: bool = False
+    """The prompt comes first in the text; with ``logprobs``, its tokens too (the first with
+    ``null``), scored by the model's raw log-probabilities (no temperature or penalties)."""
     best_of: int | None = None
     suffix: str | None = None
 
@@ -122,10 +128,13 @@ class CompletionRequest(GenerationFields):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo=true is not supported: the answer holds the generated text only")
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of={self.best_of} is not supported (only 1): one sequence is generated per request")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true: without the prompt there is nothing to return")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_SAMPLES:
+                raise ValueError(f"best_of must be in [n={self.n}, {MAX_SAMPLES}], got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise ValueError(f"best_of={self.best_of} > n={self.n} cannot stream: the best are known at the end")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -204,9 +213,18 @@ class CompletionLogprobs(BaseModel):
     likely tokens' (the chosen one among them) and where its text begins in the choice's text."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    """``None`` only for an echoed prompt's first token, which nothing predicts."""
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        """These tokens followed by ``other``'s (``self``, extended)."""
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+        return self
 
 
 class TopLogprob(BaseModel):

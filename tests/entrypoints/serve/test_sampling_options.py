@@ -158,9 +158,11 @@ BAD_REQUESTS = {
     "min_tokens over max_tokens": ("/v1/completions", {"min_tokens": 20, "max_tokens": 4},
                                    "min_tokens must be an int in [0, max_new_tokens=4], got 20"),
     "logprobs over 20": ("/v1/completions", {"logprobs": 21}, "logprobs: Input should be less than or equal to 20 (got 21)"),
-    "echo": ("/v1/completions", {"echo": True}, "echo=true is not supported"),
-    "best_of 2": ("/v1/completions", {"best_of": 2}, "best_of=2 is not supported (only 1)"),
-    "n 2": ("/v1/completions", {"n": 2}, "n=2 is not supported"),
+    "max_tokens 0 without echo": ("/v1/completions", {"max_tokens": 0}, "max_tokens=0 needs echo=true"),
+    "best_of under n": ("/v1/completions", {"best_of": 2, "n": 3}, "best_of must be in [n=3, 16], got 2"),
+    "best_of streamed": ("/v1/completions", {"best_of": 3, "stream": True}, "best_of=3 > n=1 cannot stream"),
+    "n over 16": ("/v1/completions", {"n": 17}, "n must be in [1, 16], got 17"),
+    "n 0 on chat": ("/v1/chat/completions", {"n": 0}, "n must be in [1, 16], got 0"),
     "top_logprobs without logprobs": ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs=2 needs logprobs=true"),
     "top_logprobs over 20": ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30},
                              "top_logprobs: Input should be less than or equal to 20 (got 30)"),
@@ -182,7 +184,7 @@ def test_bad_values_get_a_400_naming_them(server, case):
 
 
 def test_the_openai_client_raises_for_refused_options(client):
-    with pytest.raises(openai.BadRequestError, match="echo=true is not supported"):
-        client.completions.create(model=MODEL, prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], presence_penalty=9)

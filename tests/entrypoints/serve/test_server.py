@@ -116,10 +116,10 @@ def test_concurrent_requests_equal_their_runs_alone(server, client, reference):
 
 
 BAD_REQUESTS = {
-    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1 (got -1)"),
+    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 0 (got -1)"),
     "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model 'gpt-4' does not exist; this server serves 'llama-tiny'"),
     "prompt over max_seq_len": ({"prompt": [5] * (MAX_SEQ_LEN + 1)}, 400, f"prompt of {MAX_SEQ_LEN + 1} tokens is longer than max_seq_len={MAX_SEQ_LEN}"),
-    "n > 1": ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    "n > 16": ({"prompt": "x", "n": 17}, 400, "n must be in [1, 16], got 17"),
     "negative temperature": ({"prompt": "x", "temperature": -0.5}, 400, "temperature: Input should be greater than or equal to 0 (got -0.5)"),
     "top_p of 0": ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0 (got 0)"),
     "token outside the vocabulary": ({"prompt": [3, 259]}, 400, r"prompt token 259 is not an id in [0, 259)"),
