@@ -44,6 +44,8 @@ class ModelRunner:
         self.cache_misses = 0
         self._shapes: list[tuple[int, int]] | None = None
         self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
+        self.skip_guards = True
+        """After a shape class's first call, evaluate only the guards that choose between its graphs."""
 
     @contextmanager
     def record_shapes(self) -> Iterator[list[tuple[int, int]]]:
@@ -79,7 +81,6 @@ class ModelRunner:
         Returns:
             ``[rows, V]`` logits in the model's dtype.
         """
-        from kvgraph.compiler.runtime import bind
 
         batch = input_row_offsets.shape[0] - 1
         if self._shapes is not None:
@@ -97,8 +98,7 @@ class ModelRunner:
                 # One token shows no sliding window wider than itself and the model's config gave
                 # none: lower the several-token graph first, whose windows the one-token graph takes.
                 self._several_token_graph()
-            with bind(kv_inputs, input_row_offsets, logit_positions):
-                out = self.compiled(input_ids=input_ids, position_ids=position_ids)
+            out = self._call(first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions)
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start
@@ -118,6 +118,24 @@ class ModelRunner:
                 f"one row per wanted position; it did not run the graph kvgraph lowered"
             )
         return logits[0]
+
+    def _call(self, first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions):
+        """The compiled model on one bound step. Once its shape class has run, Dynamo evaluates
+        only the guards that tell its compiled graphs apart (``skip_guard_eval_unsafe``; the engine
+        alone feeds the model, always the same kinds of tensors); a call that would compile
+        anyway (a guard that needs checking failed) runs again with every guard."""
+        from kvgraph.compiler.runtime import bind
+
+        if self.skip_guards and not first:
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True), \
+                        bind(kv_inputs, input_row_offsets, logit_positions):
+                    return self.compiled(input_ids=input_ids, position_ids=position_ids)
+            except RuntimeError as e:
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+        with bind(kv_inputs, input_row_offsets, logit_positions):
+            return self.compiled(input_ids=input_ids, position_ids=position_ids)
 
     def _several_token_graph(self) -> None:
         """Compile the model's graph of several tokens with a 2-token step on a scratch cache of

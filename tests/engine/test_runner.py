@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
@@ -70,3 +71,49 @@ def test_runner_counts_warm_up_graphs_apart_from_recompiles_and_labels_them_in_c
         "kvgraph: compiled graph 1 of 2 (one new token, T == 1)",
         "kvgraph: compiled graph 2 of 2 (several new tokens, T > 1)",
     ]
+
+
+class _GuardedModel:
+    """A compiled model that, under ``skip_guard_eval_unsafe``, raises what Dynamo raises for a call
+    that would compile (``compile_next`` set), and records the stance of every call."""
+
+    def __init__(self) -> None:
+        self.backend = type("Backend", (), {"runners": []})()
+        self.stances: list[bool] = []
+        self.compile_next = False
+
+    def __call__(self, input_ids, position_ids):
+        from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+        skipping = _is_skip_guard_eval_unsafe_stance()
+        self.stances.append(skipping)
+        if self.compile_next:
+            if skipping:
+                raise RuntimeError("Recompilation triggered with skip_guard_eval_unsafe stance. ...")
+            self.backend.runners.append("recompiled")
+            self.compile_next = False
+        return torch.empty(1, 2, 10, device="meta")
+
+
+def test_calls_after_a_shape_class_s_first_skip_guard_evaluation_and_a_call_that_must_compile_gets_every_guard():
+    model = _GuardedModel()
+    runner = ModelRunner(model)
+    runner(*_meta_step(5, 2))  # first of its class: every guard
+    runner(*_meta_step(4, 2))
+    model.compile_next = True
+    runner(*_meta_step(4, 2))  # refused under the stance, then run with every guard, which compiles
+    assert model.stances == [False, True, True, False]
+    assert runner.recompiles == 1
+    runner.skip_guards = False
+    runner(*_meta_step(4, 2))
+    assert model.stances[-1] is False
+
+
+def test_other_runtime_errors_of_a_guard_skipping_call_are_raised():
+    def failing(input_ids, position_ids):
+        raise RuntimeError("the model failed")
+
+    runner = ModelRunner(failing)
+    for _ in range(2):  # the second call skips guard evaluation
+        with pytest.raises(RuntimeError, match="the model failed"):
+            runner(*_meta_step(3, 2))
