@@ -1,0 +1,90 @@
+"""Two engine settings side by side in one process, runs alternating: frozen weights or not, and
+Dynamo guard evaluation skipped between steps or not.
+
+    python benchmarks/engine_ab.py --model llama-56m --workloads mixed,decode-heavy --repeats 3
+
+Engines: ``frozen`` (the default: ``freeze_weights=True``, guards skipped after each shape class's
+first call), ``unfrozen`` (``freeze_weights=False``), and ``all_guards`` (frozen, every guard
+evaluated at every call: ``ModelRunner.skip_guards = False``; it shares the ``frozen`` engine's
+compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
+and warmed up before timing (the compiled graphs are warm-up) and runs each workload once untimed
+(the GEMM kernels oneDNN builds per new shape are warm-up too); every timed run starts from an
+empty prefix cache (``kvgraph.entrypoints.cli.bench.run_kvgraph``). Within a repeat the variants
+take turns, in a rotated order per repeat. Prints medians, each run, the ratios to ``frozen``, and
+whether the greedy outputs agree with ``frozen``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from kvgraph.entrypoints.cli.bench import run_kvgraph
+from kvgraph.entrypoints.llm import LLM
+from kvgraph.presets import load_preset
+from kvgraph.workloads import make_workload
+
+NEW_TOKENS = {"mixed": None, "decode-heavy": 128}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-56m")
+    parser.add_argument("--workloads", default="mixed,decode-heavy")
+    parser.add_argument("--requests", type=int, default=64, help="mixed (decode-heavy uses half)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="frozen,unfrozen,all_guards")
+    args = parser.parse_args()
+
+    model, tokenizer = load_preset(args.model)
+    variants = args.variants.split(",")
+    engines = {}
+    started = {}
+    for name in ("frozen", "unfrozen"):
+        if name in variants or (name == "frozen" and "all_guards" in variants):
+            t = time.perf_counter()
+            engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024,
+                                freeze_weights=name == "frozen", progress=False)
+            engines[name].warmup()
+            started[name] = round(time.perf_counter() - t, 1)
+    report = {"model": args.model, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
+    for workload_name in args.workloads.split(","):
+        n = args.requests if workload_name == "mixed" else args.requests // 2
+        workload = make_workload(workload_name, num_requests=n, vocab_size=engines["frozen"].vocab_size
+                                 if "frozen" in engines else engines["unfrozen"].vocab_size,
+                                 max_new_tokens=NEW_TOKENS.get(workload_name))
+        for llm in engines.values():  # untimed: oneDNN builds a kernel per new GEMM shape on first sight
+            run_kvgraph(llm, workload)
+        times = {v: [] for v in variants}
+        outputs = {}
+        for repeat in range(args.repeats):
+            order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+            for variant in order:
+                llm = engines["unfrozen" if variant == "unfrozen" else "frozen"]
+                llm.runner.skip_guards = variant != "all_guards"
+                result, _ = run_kvgraph(llm, workload)
+                llm.runner.skip_guards = True
+                times[variant].append(result.elapsed_s)
+                outputs[variant] = result.outputs
+                print(f"[{time.strftime('%H:%M:%S')}] {workload_name} #{repeat} {variant}: {result.elapsed_s:.3f} s",
+                      file=sys.stderr, flush=True)
+        base = statistics.median(times[variants[0]])
+        report["workloads"][workload_name] = {
+            v: {
+                "median_s": round(statistics.median(t), 3), "runs_s": [round(x, 3) for x in t],
+                f"time_vs_{variants[0]}": round(statistics.median(t) / base, 3),
+                f"outputs_equal_{variants[0]}": outputs[v] == outputs[variants[0]],
+            }
+            for v, t in times.items()
+        }
+    report["recompiles"] = {name: llm.stats()["recompiles"] for name, llm in engines.items()}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
