@@ -23,7 +23,9 @@ for ``--repeats`` rounds runs, alternating which goes first:
   every run from an empty prefix cache (``run_kvgraph``), prefix caching off;
 - ``benchmarks/peers/run_openvino_genai.py`` in the peer virtualenv (``--peer-python``), a fresh
   process per round: ``ContinuousBatchingPipeline``, paged attention, ``dynamic_split_fuse``,
-  prefix caching off, fp32 weights, activations and KV cache; its build and warm-up are timed apart.
+  prefix caching off, fp32 weights, activations and KV cache (``--dtype bfloat16``: bf16 on both
+  sides, the exported fp32 weights cast when each engine loads them); its build and warm-up are
+  timed apart.
 
 Each engine runs every workload once untimed before its timed run (kvgraph once per workload,
 OpenVINO once in each of its processes): both build their GEMM kernels for shapes they see the
@@ -100,12 +102,12 @@ def build_workload(name: str, requests: int, vocab_size: int, max_new_tokens: in
     return make_workload(name, num_requests=n, vocab_size=vocab_size, max_new_tokens=new)
 
 
-def peer_request(workload: Workload, *, max_batch_size: int, threads: int) -> dict:
+def peer_request(workload: Workload, *, max_batch_size: int, threads: int, dtype: str = "float32") -> dict:
     """What the peer script reads: the workload's prompts and output length, the engine limits."""
     return {
         "prompts": workload.prompts, "max_new_tokens": workload.max_new_tokens,
         "max_num_seqs": max_batch_size, "max_num_batched_tokens": MAX_BATCHED_TOKENS, "threads": threads,
-        "warm_runs": 1,
+        "warm_runs": 1, "dtype": dtype,
     }
 
 
@@ -185,6 +187,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="override every workload's output length")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights, activations and KV cache of both engines (default float32)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="checkpoints and exports, by model")
@@ -200,7 +204,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     llm = LLM(str(hf_dir), max_batch_size=args.max_batch_size, max_seq_len=1024,
-              max_batch_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=False)
+              max_batch_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=False, dtype=getattr(torch, args.dtype))
     built_s = time.perf_counter() - start
     warmup_s = llm.warmup()
     graphs_after_warmup = llm.stats()["compiled_graphs"]
@@ -216,7 +220,8 @@ def main() -> None:
     peer_info = None
     for name in names:
         workload = build_workload(name, args.requests, llm.vocab_size, args.max_new_tokens)
-        request = peer_request(workload, max_batch_size=args.max_batch_size, threads=args.threads)
+        request = peer_request(workload, max_batch_size=args.max_batch_size, threads=args.threads,
+                               dtype=args.dtype)
         tokens = len(workload.prompts) * workload.max_new_tokens
         kvgraph_first_s = run_kvgraph(llm, workload)[0].elapsed_s  # untimed, as the peer's warm run
         runs = {"kvgraph_s": [], "openvino_s": [], "openvino_build_s": [], "openvino_warmup_s": []}

@@ -7,8 +7,9 @@ of kvgraph; ``benchmarks/peers.py`` starts it once per round:
 
 ``OV_DIR`` is a model exported by ``optimum-cli export openvino --weight-format fp32`` (with its
 converted tokenizer). ``REQ.json`` holds ``prompts`` (lists of token ids), ``max_new_tokens``,
-``max_num_seqs``, ``max_num_batched_tokens`` and ``threads``. The pipeline: paged attention,
-``dynamic_split_fuse``, prefix caching off, fp32 weights, activations (``INFERENCE_PRECISION_HINT``)
+``max_num_seqs``, ``max_num_batched_tokens``, ``threads`` and ``dtype``. The pipeline: paged attention,
+``dynamic_split_fuse``, prefix caching off, the request's ``dtype`` (fp32 by default, or bf16) for
+weights and activations (``INFERENCE_PRECISION_HINT``)
 and KV cache (``KV_CACHE_PRECISION``, ``KEY_CACHE_PRECISION``, ``VALUE_CACHE_PRECISION``), greedy,
 exactly ``max_new_tokens`` per request (EOS ignored), every request submitted at once in one
 ``generate`` call. Before the timed call, a warm-up like ``LLM.warmup`` (3 short requests) and,
@@ -28,22 +29,22 @@ import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
 
-F32 = "f32"
+PRECISIONS = {"float32": ("f32", 4), "bfloat16": ("bf16", 2)}  # request dtype -> OpenVINO type, bytes
 PRECISION_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
 REPORTED_KEYS = (*PRECISION_KEYS, "INFERENCE_NUM_THREADS", "NUM_STREAMS", "PERFORMANCE_HINT")
 
 
-def properties(threads: int) -> dict:
-    return {**{key: F32 for key in PRECISION_KEYS}, "INFERENCE_NUM_THREADS": threads}
+def properties(threads: int, dtype: str) -> dict:
+    return {**{key: PRECISIONS[dtype][0] for key in PRECISION_KEYS}, "INFERENCE_NUM_THREADS": threads}
 
 
-def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> int:
-    """Whole GB of fp32 KV cache for every request at its full length, with room for page rounding."""
+def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> int:
+    """Whole GB of KV cache for every request at its full length, with room for page rounding."""
     config = json.loads((model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * PRECISIONS[dtype][1]
     tokens = sum(len(p) + max_new_tokens + 32 for p in prompts)  # + a page per request
     return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
 
@@ -98,8 +99,9 @@ def main() -> None:
     args = parser.parse_args()
     request = json.loads(args.request.read_text())
     prompts, new = request["prompts"], request["max_new_tokens"]
-    cache_gb = kv_cache_gb(args.model_dir, prompts, new)
-    props = properties(request["threads"])
+    dtype = request["dtype"]
+    cache_gb = kv_cache_gb(args.model_dir, prompts, new, dtype)
+    props = properties(request["threads"], dtype)
 
     start = time.perf_counter()
     pipe = ov_genai.ContinuousBatchingPipeline(

@@ -42,6 +42,7 @@ def test_peer_request_is_the_kvgraph_workload(peers, name, requests, new, expect
     assert request["prompts"] == workload.prompts
     assert request["max_new_tokens"] == workload.max_new_tokens == expected_new
     assert (request["max_num_seqs"], request["max_num_batched_tokens"], request["threads"]) == (64, 2048, 2)
+    assert request["dtype"] == "float32"
 
 
 def test_peer_script_reads_exactly_what_the_driver_writes(peers):
