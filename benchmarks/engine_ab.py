@@ -3,9 +3,9 @@ Dynamo guard evaluation skipped between steps or not.
 
     python benchmarks/engine_ab.py --model llama-56m --workloads mixed,decode-heavy --repeats 3
 
-Engines: ``frozen`` (``freeze_weights=True``, guards skipped after each shape class's first
-call: the runner's default), ``unfrozen`` (``freeze_weights=False``, a float model's default),
-and ``all_guards`` (frozen, every guard evaluated at every call: ``ModelRunner.skip_guards = False``; it shares the ``frozen`` engine's
+Engines: ``frozen`` (the default: ``freeze_weights=True``, guards skipped after each shape class's
+first call), ``unfrozen`` (``freeze_weights=False``), and ``all_guards`` (frozen, every guard
+evaluated at every call: ``ModelRunner.skip_guards = False``; it shares the ``frozen`` engine's
 compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
 and warmed up before timing (the compiled graphs are warm-up) and runs each workload once untimed
 (the GEMM kernels oneDNN builds per new shape are warm-up too); every timed run starts from an

@@ -41,8 +41,8 @@ from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 
 VARIANTS = {
-    "fp32": {"freeze_weights": True},
-    "bf16": {"dtype": torch.bfloat16, "freeze_weights": True},
+    "fp32": {},
+    "bf16": {"dtype": torch.bfloat16},
     "int8": {"dtype": torch.bfloat16, "quantization": "int8-weight-only"},
     "int8+lm_head": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True},
 }

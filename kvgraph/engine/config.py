@@ -33,12 +33,8 @@ class EngineConfig:
         enable_prefix_caching: share the pages of a common prompt prefix (paged cache only).
         num_steps: decode steps run back to back for a batch of decodes.
         compile: one of ``COMPILE_MODES``.
-        freeze_weights: compile the weights in as constants (Inductor's freezing; Inductor only):
-            later edits of the module's parameters are not seen. ``None`` (the default) freezes
-            quantized models only, whose int8 matmul needs its weights as constants; an unfrozen
-            float model ran as fast in steady state on the CPU and starts faster from Inductor's
-            cache, which AOTAutograd cannot use under freezing (``benchmarks/engine_ab.py``,
-            ``benchmarks/startup.py``). :attr:`frozen` is the resolved choice.
+        freeze_weights: compile the weights in as constants with prepacked linear layers (Inductor
+            only): faster, but later edits of the module's parameters are not seen.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
@@ -69,7 +65,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_steps: int = 1
     compile: str = "inductor"
-    freeze_weights: bool | None = None
+    freeze_weights: bool = True
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     progress: bool = True
@@ -87,9 +83,7 @@ class EngineConfig:
             check_positive_int("kv_cache_memory", self.kv_cache_memory)
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.freeze_weights is not None:
-            check_flags(freeze_weights=self.freeze_weights)
-        check_flags(enable_prefix_caching=self.enable_prefix_caching,
+        check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head)
         check_dtype(self.dtype)
@@ -98,12 +92,6 @@ class EngineConfig:
             raise ConfigError("quantize_lm_head=True needs a quantization scheme, got quantization=None")
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         object.__setattr__(self, "device", resolve_device(self.device))
-
-    @property
-    def frozen(self) -> bool:
-        """Whether the weights are compiled in as constants: ``freeze_weights``, or when that is
-        ``None``, whether the model is quantized."""
-        return self.quantization is not None if self.freeze_weights is None else self.freeze_weights
 
     @property
     def kv_cache_memory_per_rank(self) -> int | None:

@@ -117,7 +117,7 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
     manager = make_manager(params, config.max_batch_size, config.max_seq_len, config.kv_cache_memory_per_rank)
     shown = CompileProgress(config.compile) if config.progress else None
     compiled = backend.compile(
-        model, manager=manager, inner=config.compile, freeze_weights=config.frozen,
+        model, manager=manager, inner=config.compile, freeze_weights=config.freeze_weights,
         dump=shown.dump if shown else None,
     )
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))

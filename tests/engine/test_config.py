@@ -41,18 +41,3 @@ def test_frozen_and_replace_checks_again():
     assert dataclasses.replace(config, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
     with pytest.raises(ConfigError, match=r"num_steps.*-1\b"):
         dataclasses.replace(config, num_steps=-1)
-
-
-@pytest.mark.parametrize(("fields", "frozen"), [
-    ({}, False),
-    ({"freeze_weights": True}, True),
-    ({"dtype": torch.bfloat16, "quantization": "int8-weight-only"}, True),
-    ({"dtype": torch.bfloat16, "quantization": "int8-weight-only", "freeze_weights": False}, False),
-])
-def test_weights_are_frozen_by_default_only_for_a_quantized_model(fields, frozen):
-    assert EngineConfig(**fields).frozen is frozen
-
-
-def test_the_freezing_default_follows_a_replaced_quantization():
-    quantized = EngineConfig(dtype=torch.bfloat16, quantization="int8-weight-only")
-    assert dataclasses.replace(quantized, quantization=None).frozen is False

@@ -98,13 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per schedule (default %(default)s)")
     g.add_argument("--compile", choices=COMPILE_MODES, default=_default("compile"),
                    help="what runs the lowered graph (default %(default)s)")
-    freeze = g.add_mutually_exclusive_group()
-    freeze.add_argument("--freeze-weights", dest="freeze_weights", action="store_const", const=True,
-                        default=_default("freeze_weights"),
-                        help="compile the weights in as constants (Inductor's freezing; default: only "
-                        "for a quantized model)")
-    freeze.add_argument("--no-freeze-weights", dest="freeze_weights", action="store_const", const=False,
-                        help="keep the weights as graph inputs, also for a quantized model")
+    g.add_argument("--no-freeze-weights", action="store_true",
+                   help="keep the weights as graph inputs instead of compiling them in as prepacked "
+                   "constants (Inductor's freezing)")
     g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
@@ -140,6 +136,7 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "cache_strategy": lambda args: args.cache,
     "enable_prefix_caching": lambda args: not args.no_prefix_caching,
+    "freeze_weights": lambda args: not args.no_freeze_weights,
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
 }

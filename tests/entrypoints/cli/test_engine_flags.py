@@ -56,13 +56,3 @@ def test_build_llm_hands_the_engine_the_config_of_the_flags(monkeypatch):
     args = build_parser().parse_args(["generate", "--max-batch-size", "3", "--compile", "eager"])
     assert isinstance(common.build_llm(args, progress=False), Recorder)
     assert built == {"model": "module", "tokenizer": "tokenizer", "config": engine_config(args, progress=False)}
-
-
-@pytest.mark.parametrize(("flags", "value"), [([], None), (["--freeze-weights"], True), (["--no-freeze-weights"], False)])
-def test_freezing_flags_set_it_or_leave_the_default(flags, value):
-    assert engine_config(build_parser().parse_args(["generate", *flags]), progress=False).freeze_weights is value
-
-
-def test_both_freezing_flags_are_refused():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "--freeze-weights", "--no-freeze-weights"])
