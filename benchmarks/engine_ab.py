@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="mixed (decode-heavy uses half)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="frozen,unfrozen,all_guards")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="cast the model (default: as built)")
     args = parser.parse_args()
 
     model, tokenizer = load_preset(args.model)
@@ -49,10 +50,11 @@ def main() -> None:
         if name in variants or (name == "frozen" and "all_guards" in variants):
             t = time.perf_counter()
             engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024,
-                                freeze_weights=name == "frozen", progress=False)
+                                freeze_weights=name == "frozen", progress=False,
+                                dtype=None if args.dtype is None else getattr(torch, args.dtype))
             engines[name].warmup()
             started[name] = round(time.perf_counter() - t, 1)
-    report = {"model": args.model, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
+    report = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
     for workload_name in args.workloads.split(","):
         n = args.requests if workload_name == "mixed" else args.requests // 2
         workload = make_workload(workload_name, num_requests=n, vocab_size=engines["frozen"].vocab_size

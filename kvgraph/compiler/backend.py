@@ -369,6 +369,7 @@ class CompiledModel:
         self.manager = manager
         self.module = torch.compile(_entry_point(model), backend=backend, fullgraph=True)
         self._hf_cache = takes_use_cache(model)
+        self._freezes = backend.options.freeze_weights and backend.options.inner == "inductor"
 
     @property
     def windows_known(self) -> bool:
@@ -390,7 +391,27 @@ class CompiledModel:
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1:
                 torch._dynamo.maybe_mark_dynamic(value, 1)
-        return self.module(*args, **kwargs)
+        if not self._freezes:
+            return self.module(*args, **kwargs)
+        with _tracing_frozen():
+            return self.module(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tracing_frozen() -> Iterator[None]:
+    """Inductor's ``freezing`` on while Dynamo may trace: Dynamo reads it when it meets a
+    parameter, and only then installs the parameters as attributes of the graph (the constants
+    Inductor's freezing folds and packs) instead of lifting them to graph inputs, which freezing
+    cannot touch. Set for the call alone, so the process's own setting is left as it was."""
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.freezing
+    inductor_config.freezing = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        inductor_config.freezing = before
 
 
 def _entry_point(model: torch.nn.Module) -> Callable:

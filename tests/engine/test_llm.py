@@ -200,6 +200,27 @@ def test_inductor_with_and_without_frozen_weights_matches_hf_greedy(llama, hf_gr
     assert llm.compiled.backend.options.freeze_weights is freeze_weights
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("freeze_weights", [True, False], ids=["frozen", "weights-as-inputs"])
+def test_frozen_weights_are_constants_of_the_graph(freeze_weights):
+    """Frozen, a weight edited in place after the first call is not seen (the graph holds its own
+    packed copy); as graph inputs it is. Neither recompiles."""
+    from kvgraph.presets import load_preset
+
+    model, _ = load_preset("llama-tiny", seed=0)
+    llm = LLM(model, page_size=8, max_batch_size=2, max_seq_len=64, freeze_weights=freeze_weights, progress=False)
+    prompt = list(range(5, 25))
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=0)
+    (before,) = llm.generate([prompt], params)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(0.5)
+    (after,) = llm.generate([prompt], params)
+    scores = [[p.logprob for p in out.prompt_logprobs[1:]] for out in (before, after)]
+    assert (scores[0] == scores[1]) is freeze_weights
+    assert llm.stats()["recompiles"] == 0
+
+
 def test_continuous_cache_from_a_checkpoint_directory(tmp_path, hf_greedy):
     from kvgraph.presets import save_preset
 
