@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -236,6 +237,15 @@ class KVGraphBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
+        if self.options.freeze_weights and self.options.inner == "inductor" and not _traced_frozen():
+            warnings.warn(
+                "freeze_weights=True, but Dynamo traced this graph with torch._inductor.config.freezing "
+                f"= {torch._inductor.config.freezing} and grad mode {torch.is_grad_enabled()}, so the "
+                "weights are graph inputs and nothing is frozen; kvgraph.compile and kvgraph.LLM set both "
+                "for you, with torch.compile set torch._inductor.config.freezing = True and run the first "
+                "call under torch.no_grad()",
+                RuntimeWarning, stacklevel=2,
+            )
         runner = GraphRunner(gm, self.options, self.windows)
         binding = current_binding()
         layout = runner.fixed_layout or (binding.layout if binding is not None else None)
@@ -395,6 +405,14 @@ class CompiledModel:
             return self.module(*args, **kwargs)
         with _tracing_frozen():
             return self.module(*args, **kwargs)
+
+
+def _traced_frozen() -> bool:
+    """Whether Dynamo's trace that just ended installed the parameters as graph constants: what
+    Dynamo itself checks (``torch._dynamo.utils.is_parameter_freezing``)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.freezing and not torch.is_grad_enabled()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from kvgraph import (
 )
 from kvgraph.compiler.backend import GraphRunner, copy_graph_module, kvgraph_backend
 from kvgraph.compiler.step import prepare_step, run_step
-from tests.naming import raises_naming
+from tests.naming import raises_naming, warns_naming
 
 VOCAB, DIM, HQ, HKV, LAYERS = 61, 32, 4, 2, 2
 HEAD_DIM = DIM // HQ
@@ -317,6 +317,25 @@ def test_lowering_works_on_a_copy_and_leaves_dynamo_graph_as_captured(model):
     assert copy.code == runner.gm.code and copy.graph is not runner.gm.graph
     assert dict(copy.named_parameters()).keys() == dict(runner.gm.named_parameters()).keys()
     assert all(a is b for a, b in zip(copy.parameters(), runner.gm.parameters(), strict=True))
+
+
+def test_frozen_weights_by_name_without_inductor_freezing_while_tracing_warn(model):
+    mgr = manager("paged", page_size=4)
+    compiled = torch.compile(model, backend="kvgraph", options={"freeze_weights": True})
+    ids = mgr.claim(1)
+    kv = mgr.fetch([KVRequest(ids[0], PROMPTS[0])])
+    step = prepare_step(PROMPTS[:1], [0])
+    with torch.no_grad(), kvgraph.bind(kv, step.input_row_offsets), \
+            warns_naming(RuntimeWarning, "freeze_weights=True", "freezing = False", "nothing is frozen"):
+        compiled(step.input_ids, step.position_ids)
+
+
+def test_kvgraph_compile_freezes_without_a_warning(model, recwarn):
+    mgr = manager("paged", page_size=4)
+    compiled = kvgraph.compile(model, manager=mgr, freeze_weights=True)
+    decode(compiled, mgr, steps=1)
+    assert not [w for w in recwarn if "nothing is frozen" in str(w.message)]
+    assert not torch._inductor.config.freezing  # the process's own setting is back
 
 
 def test_unknown_backend_options_are_refused(model):
