@@ -7,8 +7,8 @@
   ``KVCacheQuantizationConfig()``: a float32 scale per 128 head-dim elements, clamped to the head
   size), and the tokens a paged pool of the same memory (``--pool-mib``) holds.
 - ``decode``: the C++ kernel's median time for one decode step of 64 sequences of 512 cached
-  tokens (8 query / 2 KV heads, head_dim 64, page_size 16; each run stores into its own copy of the
-  cache), int8 against float32, in alternating rounds; ``int8_vs_fp32`` is the time ratio.
+  tokens (8 query / 2 KV heads, head_dim 64, page_size 16; the CPU caches flushed before each run),
+  int8 against float32, in alternating rounds; ``int8_vs_fp32`` is the time ratio.
 - ``accuracy`` per preset: one greedy generation of ``--new-tokens`` tokens with the int8 and the
   float32 cache (``kvgraph.entrypoints.cli.kv_quality``): leading tokens that agree, and the largest
   logit error teacher-forced along the float32 generation.
@@ -53,16 +53,21 @@ def decode_step(dtype: torch.dtype | None) -> tuple[tuple, torch.Tensor | None]:
     return (q, k, v, blocks, lengths, lookup, offsets, max_lengths, 1), scales
 
 
-def decode_ms(repeats: int) -> dict[str, float]:
-    """Median wall milliseconds of the C++ kernel per cache dtype, the dtypes taking turns."""
+def decode_ms(repeats: int, flush_mib: int = 256) -> dict[str, float]:
+    """Median wall milliseconds of the C++ kernel per cache dtype, the dtypes taking turns.
+
+    Every run writes the same new K/V at the same positions (so the cache needs no copy between
+    runs) and starts with the CPU caches flushed by a pass over ``flush_mib`` MiB: a decode step of
+    a many-layer model reads each layer's cache from memory, not from what the previous run left.
+    """
     cases = {"fp32": decode_step(None), "int8": decode_step(torch.int8)}
+    flush = torch.zeros(flush_mib << 18)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(repeats + 2):
         for name, (args, scales) in cases.items():
-            run_args = (*args[:3], args[3].clone(), *args[4:])
-            run_scales = None if scales is None else scales.clone()
+            flush += 1
             start = time.perf_counter()
-            cpp.ragged_attention(*run_args, kv_scales=run_scales)
+            cpp.ragged_attention(*args, kv_scales=scales)
             if i >= 2:  # two warm-up rounds
                 times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
