@@ -36,6 +36,7 @@ _EXPORTS = {
         "CppKernelError", "EngineFailure", "WarmCacheError", "MissingExtraError",
     ],
     "kvgraph.cache.params": ["KVCacheParams", "KVCacheStrategy"],
+    "kvgraph.cache.quant": ["KVCacheQuantizationConfig"],
     "kvgraph.cache.symbols": [
         "TensorType", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "PaddedKVCacheInputSymbols",
         "ragged_input_symbols",

@@ -6,7 +6,9 @@ max_cache_length)``, or from one step's :class:`~kvgraph.cache.inputs.RaggedKVCa
 ``get_key_cache(layer)`` / ``get_value_cache(layer)`` return per-layer views whose
 ``blocks`` is a strided view into the shared ``blocks`` tensor, so ``store`` writes
 the cache in place. Unlike MAX's scalar ``load``/``store``, these are vectorised
-over index tensors: ``load(batch_idx [N], tok_idx [N]) -> [N, Hkv, D]``.
+over index tensors: ``load(batch_idx [N], tok_idx [N]) -> [N, Hkv, D]``. Over a quantized cache
+(``kv_scales`` given) ``store`` quantizes and ``load`` / ``load_padded`` dequantize to float32
+(:mod:`kvgraph.cache.quant`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import abc
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
+from kvgraph.cache.quant import dequantize, quantize
 from kvgraph.errors import CacheInputError
 
 KEY, VALUE = 0, 1  # axis 1 of the blocks tensor
@@ -37,6 +40,8 @@ class _LayerCache(abc.ABC):
         lookup_table: ``int32``; paged ``[batch, max_num_pages]``, continuous ``[batch]``.
         max_seq_length: most new tokens of any sequence in the step (``max_lengths[0, 0]``).
         max_cache_length: most cached + new tokens of any sequence (``max_lengths[0, 1]``).
+        scales: a quantized cache's float32 ``[num_blocks, rows_per_block, Hkv, D // group]``
+            (a view like ``blocks``); ``None`` unquantized.
     """
 
     def __init__(
@@ -46,12 +51,19 @@ class _LayerCache(abc.ABC):
         lookup_table: torch.Tensor,
         max_seq_length: int,
         max_cache_length: int,
+        scales: torch.Tensor | None = None,
     ) -> None:
         if blocks.dim() != 4:
             raise CacheInputError(
                 f"a layer cache needs blocks of rank 4 [blocks, rows, Hkv, D], got shape {tuple(blocks.shape)}"
             )
+        if scales is not None and (scales.shape[:3] != blocks.shape[:3] or blocks.shape[3] % max(scales.shape[3], 1)):
+            raise CacheInputError(
+                f"scales {tuple(scales.shape)} must be blocks {tuple(blocks.shape)} with a last dim dividing "
+                f"head_dim {blocks.shape[3]}"
+            )
         self.blocks = blocks
+        self.scales = scales
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self.max_seq_length = int(max_seq_length)
@@ -94,21 +106,30 @@ class _LayerCache(abc.ABC):
             tok_idx: integer ``[N]``: position of each token in its sequence.
 
         Returns:
-            ``[N, Hkv, D]`` in the cache dtype (a copy).
+            ``[N, Hkv, D]`` in the cache dtype, float32 dequantized for a quantized cache (a copy).
         """
         device = self.blocks.device
         block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
-        return self.blocks[block, row]
+        if self.scales is None:
+            return self.blocks[block, row]
+        return dequantize(self.blocks[block, row], self.scales[block, row])
 
     def store(self, batch_idx: Index, tok_idx: Index, values: torch.Tensor) -> None:
-        """Write ``values [N, Hkv, D]`` (cache dtype) at tokens ``tok_idx [N]`` of ``batch_idx [N]``, in place."""
+        """Write ``values [N, Hkv, D]`` at tokens ``tok_idx [N]`` of ``batch_idx [N]``, in place: in the
+        cache dtype, or for a quantized cache any floating dtype, quantized with its scales."""
         device = self.blocks.device
         block, row = self._locate(_as_index(batch_idx, device), _as_index(tok_idx, device))
-        self.blocks.index_put_((block, row), values)
+        if self.scales is None:
+            self.blocks.index_put_((block, row), values)
+            return
+        q, scales = quantize(values, self.blocks.dtype, self.head_dim // self.scales.shape[3])
+        self.blocks.index_put_((block, row), q)
+        self.scales.index_put_((block, row), scales)
 
     @abc.abstractmethod
-    def _gather_blocks(self, max_length: int) -> torch.Tensor:
-        """Copies of each batch entry's blocks, in token order: ``[batch, rows, Hkv, D]``.
+    def _gather_blocks(self, max_length: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Copies of each batch entry's rows of ``blocks`` (``self.blocks`` or ``self.scales``), in
+        token order: ``[batch, rows, Hkv, last dim of blocks]``.
 
         ``rows`` covers at least ``max_length`` or the entry's whole capacity, whichever is
         less. Rows past an entry's length are whatever the cache holds there.
@@ -126,10 +147,13 @@ class _LayerCache(abc.ABC):
             max_length: padded length.
 
         Returns:
-            ``[batch, max_length, Hkv, D]`` in the cache dtype; rows past ``lengths[b]`` are zero.
+            ``[batch, max_length, Hkv, D]`` in the cache dtype (float32 dequantized for a quantized
+            cache); rows past ``lengths[b]`` are zero.
         """
         device = self.blocks.device
-        out = self._gather_blocks(max_length)[:, :max_length]
+        out = self._gather_blocks(max_length, self.blocks)[:, :max_length]
+        if self.scales is not None:
+            out = dequantize(out, self._gather_blocks(max_length, self.scales)[:, :max_length])
         if out.shape[1] < max_length:
             out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, max_length - out.shape[1]))
         # (batch, row) of every padding row: usually few, so zero just those
@@ -167,14 +191,14 @@ class PagedKVCache(_LayerCache):
         page = self.lookup_table[batch_idx, tok_idx // self.page_size].long()
         return page, tok_idx % self.page_size
 
-    def _gather_blocks(self, max_length: int) -> torch.Tensor:
-        num_pages, page_size = self.blocks.shape[0], self.page_size
+    def _gather_blocks(self, max_length: int, blocks: torch.Tensor) -> torch.Tensor:
+        num_pages, page_size = blocks.shape[0], self.page_size
         width = min(-(-max_length // page_size), self.lookup_table.shape[1])
         # table: [batch, width] -> physical page; unused entries (= num_pages) read page 0
         table = self.lookup_table[:, :width].long()
         table = torch.where((table >= 0) & (table < num_pages), table, 0)
-        pages = self.blocks.index_select(0, table.flatten())  # [batch * width, page_size, Hkv, D]
-        return pages.view(table.shape[0], width * page_size, self.n_kv_heads, self.head_dim)
+        pages = blocks.index_select(0, table.flatten())  # [batch * width, page_size, Hkv, last]
+        return pages.view(table.shape[0], width * page_size, self.n_kv_heads, blocks.shape[3])
 
 
 class ContinuousBatchingKVCache(_LayerCache):
@@ -187,8 +211,8 @@ class ContinuousBatchingKVCache(_LayerCache):
         slot = self.lookup_table[batch_idx].long()
         return torch.broadcast_tensors(slot, tok_idx)
 
-    def _gather_blocks(self, max_length: int) -> torch.Tensor:
-        return self.blocks[:, :max_length].index_select(0, self.lookup_table.long())
+    def _gather_blocks(self, max_length: int, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks[:, :max_length].index_select(0, self.lookup_table.long())
 
 
 class _Collection:
@@ -200,6 +224,8 @@ class _Collection:
         lookup_table: ``int32``; paged ``[batch, max_num_pages]``, continuous ``[batch]``.
         max_seq_length: most new tokens of any sequence in the step.
         max_cache_length: most cached + new tokens of any sequence in the step.
+        kv_scales: a quantized cache's float32 ``[N, 2, num_layers, rows, Hkv, D // group]``;
+            ``None`` unquantized.
     """
 
     cache_type: type[_LayerCache]
@@ -212,6 +238,7 @@ class _Collection:
         lookup_table: torch.Tensor,
         max_seq_length: int,
         max_cache_length: int,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         lookup = lookup_table
         if blocks.dim() != 6 or blocks.shape[1] != 2:
@@ -228,11 +255,17 @@ class _Collection:
                 f"cache_lengths must be [batch] with the lookup_table's batch {lookup.shape[0]}, "
                 f"got shape {tuple(cache_lengths.shape)}"
             )
+        if kv_scales is not None and (kv_scales.dim() != 6 or kv_scales.shape[:5] != blocks.shape[:5]):
+            raise CacheInputError(
+                f"kv_scales must be blocks' [N, 2, num_layers, rows, Hkv] with a last dim of scales, got shape "
+                f"{tuple(kv_scales.shape)} for blocks {tuple(blocks.shape)}"
+            )
         self.blocks = blocks
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self.max_seq_length = int(max_seq_length)
         self.max_cache_length = int(max_cache_length)
+        self.kv_scales = kv_scales
 
     @classmethod
     def from_inputs(cls, inputs: RaggedKVCacheInputs) -> _Collection:
@@ -242,7 +275,7 @@ class _Collection:
             raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
         return cls(
             inputs.blocks, inputs.cache_lengths, inputs.lookup_table,
-            int(max_lengths[0, 0]), int(max_lengths[0, 1]),
+            int(max_lengths[0, 0]), int(max_lengths[0, 1]), inputs.kv_scales,
         )
 
     @property
@@ -262,6 +295,7 @@ class _Collection:
             self.lookup_table,
             self.max_seq_length,
             self.max_cache_length,
+            None if self.kv_scales is None else self.kv_scales[:, kv, layer_idx],
         )
 
     def get_key_cache(self, layer_idx: int) -> _LayerCache:

@@ -10,14 +10,15 @@ import torch
 
 
 class KVCacheInputs:
-    """Base class: a dataclass of tensors; iterating flattens to the tensors, as in MAX."""
+    """Base class: a dataclass of tensors; iterating flattens to the tensors, as in MAX (an optional
+    field left ``None`` is skipped)."""
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, KVCacheInputs):
                 yield from value
-            else:
+            elif value is not None:
                 yield value
 
     def __len__(self) -> int:
@@ -27,10 +28,12 @@ class KVCacheInputs:
         return list(self)[index]
 
     def __repr__(self) -> str:
-        """Field names with each tensor's dtype, shape and device, not its values."""
+        """Field names with each tensor's dtype, shape and device, not its values (fields left ``None`` omitted)."""
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None:
+                continue
             if isinstance(value, torch.Tensor):
                 dtype = str(value.dtype).removeprefix("torch.")
                 value = f"{dtype}{list(value.shape)} {value.device}"
@@ -51,12 +54,15 @@ class RaggedKVCacheInputs(KVCacheInputs):
             unused entries hold ``total_num_pages``. Continuous: ``[batch]``: ``batch -> slot``.
         max_lengths: ``int32 [num_steps, 2]`` on the CPU: row 0 ``[max new tokens, max cached + new]``,
             each later row ``[1, previous + 1]``.
+        kv_scales: a quantized cache's float32 scales, laid out like ``blocks`` with the last dim
+            ``head_dim // scale_group`` (written in place with ``blocks``); ``None`` unquantized.
     """
 
     blocks: torch.Tensor
     cache_lengths: torch.Tensor
     lookup_table: torch.Tensor
     max_lengths: torch.Tensor
+    kv_scales: torch.Tensor | None = None
 
     @property
     def is_paged(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgraph.cache.quant import KVCacheQuantizationConfig, check_storage
 from kvgraph.errors import InvalidParamsError
 
 
@@ -61,6 +62,11 @@ class KVCacheParams:
     ``devices`` arguments, when given, must agree with them. ``cache_strategy=MODEL_DEFAULT``
     resolves to ``PAGED``. With ``n_devices > 1`` (tensor parallelism) each device holds
     ``n_kv_heads_per_device = n_kv_heads // n_devices`` heads of every token.
+
+    As in MAX, ``dtype`` is what the cache stores: a floating dtype, or with
+    ``kvcache_quant_config`` an 8-bit one (``torch.int8``, ``torch.float8_e4m3fn``) whose float32
+    scales, one per ``scale_group`` elements of the head dimension, live in a second tensor
+    (:mod:`kvgraph.cache.quant`).
     """
 
     dtype: torch.dtype
@@ -72,14 +78,16 @@ class KVCacheParams:
     enable_prefix_caching: bool = False
     device: torch.device | str = "cpu"
     n_devices: int = 1
+    kvcache_quant_config: KVCacheQuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy).resolved)
         object.__setattr__(self, "device", parse_device(self.device))
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise InvalidParamsError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+        check_storage(self.dtype, self.kvcache_quant_config)
         for name in ("n_kv_heads", "head_dim", "num_layers", "n_devices"):
             check_positive_int(name, getattr(self, name))
+        if self.kvcache_quant_config is not None:
+            self.kvcache_quant_config.group(self.head_dim)
         if self.n_kv_heads % self.n_devices:
             raise InvalidParamsError(
                 f"n_kv_heads={self.n_kv_heads} does not split across n_devices={self.n_devices}"
@@ -103,13 +111,32 @@ class KVCacheParams:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def quantized(self) -> bool:
+        """Whether the cache stores 8-bit K/V with scales (``kvcache_quant_config`` is set)."""
+        return self.kvcache_quant_config is not None
+
+    @property
+    def scale_group(self) -> int | None:
+        """Head-dim elements per scale (the granularity clamped to ``head_dim``); ``None`` unquantized."""
+        config = self.kvcache_quant_config
+        return None if config is None else config.group(self.head_dim)
+
+    @property
+    def scales_per_head(self) -> int:
+        """Scales per token and head: ``head_dim // scale_group`` (0 unquantized)."""
+        return 0 if self.scale_group is None else self.head_dim // self.scale_group
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers (and all devices)."""
-        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of K and V (and their scales) for one token over all layers (and all devices)."""
+        scale_bytes = 0 if self.kvcache_quant_config is None else (
+            self.scales_per_head * torch.empty((), dtype=self.kvcache_quant_config.scale_dtype).element_size())
+        return 2 * self.num_layers * self.n_kv_heads * (self.head_dim * self.dtype_bytes + scale_bytes)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page: ``2 * num_layers * n_kv_heads * head_dim * page_size * dtype_bytes``."""
+        """Bytes of one page: ``bytes_per_token * page_size`` (unquantized:
+        ``2 * num_layers * n_kv_heads * head_dim * page_size * dtype_bytes``)."""
         if self.page_size is None:
             raise InvalidParamsError("page_bytes needs a page_size; this cache has none")
         return self.bytes_per_token * self.page_size

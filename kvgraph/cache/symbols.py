@@ -47,6 +47,8 @@ _DTYPE_SHORT = {
     torch.float64: "f64",
     torch.int32: "si32",
     torch.int64: "si64",
+    torch.int8: "si8",
+    torch.float8_e4m3fn: "f8E4M3FN",
 }
 
 
@@ -111,19 +113,23 @@ class TensorType:
 
 
 class _SymbolSet:
-    """Mixin: a dataclass of ``TensorType`` fields that iterates and indexes like MAX's symbols."""
+    """Mixin: a dataclass of ``TensorType`` fields that iterates and indexes like MAX's symbols.
+
+    An optional field left ``None`` (``kv_scales`` of an unquantized cache) is not an input: it is
+    skipped by iteration, ``len`` and ``names``.
+    """
 
     def __iter__(self) -> Iterator:
-        return iter(getattr(self, f.name) for f in dataclasses.fields(self))
+        return iter(getattr(self, name) for name in self.names())
 
     def __getitem__(self, index: int):
         return list(self)[index]
 
     def __len__(self) -> int:
-        return len(dataclasses.fields(self))
+        return len(self.names())
 
     def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self))
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
 
     def items(self) -> list[tuple[str, TensorType]]:
         return list(zip(self.names(), self, strict=True))
@@ -138,12 +144,15 @@ class KVCacheInputSymbols(_SymbolSet):
 
 @dataclass
 class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
-    """``kv_blocks``, ``cache_lengths [batch]``, ``lookup_table``, ``max_lengths [steps, 2]`` (CPU)."""
+    """``kv_blocks``, ``cache_lengths [batch]``, ``lookup_table``, ``max_lengths [steps, 2]`` (CPU),
+    and for a quantized cache ``kv_scales`` (float32, ``kv_blocks``' layout with the last dim
+    ``head_dim // scale_group``; ``None`` otherwise), as MAX's."""
 
     kv_blocks: TensorType
     cache_lengths: TensorType
     lookup_table: TensorType
     max_lengths: TensorType
+    kv_scales: TensorType | None = None
 
 
 @dataclass
@@ -156,12 +165,22 @@ class PaddedKVCacheInputSymbols(KVCacheInputSymbols):
     null_op: TensorType
 
 
+INPUT_ROW_OFFSETS = "input_row_offsets"
+KV_SCALES = "kv_scales"
+
 KV_PLACEHOLDERS: tuple[str, ...] = (
-    *(f.name for f in dataclasses.fields(RaggedKVCacheInputSymbols)),
-    "input_row_offsets",
+    *(f.name for f in dataclasses.fields(RaggedKVCacheInputSymbols) if f.name != KV_SCALES),
+    INPUT_ROW_OFFSETS,
 )
-"""Names (and order) of the graph inputs a lowered graph takes after the model's own: the ragged
-KV symbols, then ``input_row_offsets [batch_size + 1]``."""
+"""Names (and order) of the graph inputs a lowered graph over an unquantized cache takes after the
+model's own: the ragged KV symbols, then ``input_row_offsets [batch_size + 1]``
+(:func:`kv_placeholders` gives them for any cache)."""
+
+
+def kv_placeholders(symbols: RaggedKVCacheInputSymbols) -> tuple[str, ...]:
+    """The KV placeholders of a graph over ``symbols``: their names (``kv_scales`` after
+    ``max_lengths`` for a quantized cache), then ``input_row_offsets``."""
+    return (*symbols.names(), INPUT_ROW_OFFSETS)
 
 
 LOGIT_POSITIONS = "logit_positions"
@@ -181,8 +200,10 @@ def ragged_input_symbols(
     Paged: ``kv_blocks [total_num_pages, 2, L, page_size, H, D]``,
     ``lookup_table [batch_size, max_num_pages]``. Continuous:
     ``kv_blocks [max_batch_size, 2, L, max_seq_len, H, D]``, ``lookup_table [batch_size]``.
-    Both: ``cache_lengths [batch_size]``, ``max_lengths [steps_remaining, 2]`` on the CPU.
-    ``H`` is ``params.n_kv_heads_per_device``; ``device`` defaults to ``params.device``.
+    Both: ``cache_lengths [batch_size]``, ``max_lengths [steps_remaining, 2]`` on the CPU, and
+    with quantization ``kv_scales`` float32 shaped like ``kv_blocks`` with the last dim
+    ``params.scales_per_head``. ``H`` is ``params.n_kv_heads_per_device``; ``device`` defaults to
+    ``params.device``.
     """
     L, H, D = params.num_layers, params.n_kv_heads_per_device, params.head_dim
     device = params.device if device is None else torch.device(device)
@@ -197,6 +218,8 @@ def ragged_input_symbols(
         cache_lengths=TensorType(INDEX_DTYPE, ("batch_size",), device),
         lookup_table=TensorType(INDEX_DTYPE, lookup, device),
         max_lengths=TensorType(INDEX_DTYPE, ("steps_remaining", 2), "cpu"),
+        kv_scales=TensorType(params.kvcache_quant_config.scale_dtype, (*blocks[:-1], params.scales_per_head), device)
+        if params.quantized else None,
     )
 
 

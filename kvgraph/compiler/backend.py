@@ -188,6 +188,7 @@ class GraphRunner:
             gm, cache_strategy=layout.strategy, page_size=layout.page_size, device=layout.device,
             expected=self.options.params, strict=True, prune_logits=self.options.prune_logits,
             dump=self.options.dump, example_inputs=list(example_inputs), windows=self.windows.known,
+            quantization=layout.quantization,
         )
         if not result.lowered:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")

@@ -1,8 +1,8 @@
 """Binding one step's KV cache inputs to compiled kvgraph callables (``kvgraph.bind``).
 
 A graph lowered by kvgraph takes five extra inputs after the model's own:
-``kv_blocks, cache_lengths, lookup_table, max_lengths, input_row_offsets`` (and, when its
-logits are pruned, ``logit_positions``). The caller does not pass them; it binds them around
+``kv_blocks, cache_lengths, lookup_table, max_lengths, input_row_offsets`` (``kv_scales`` after
+``max_lengths`` for a quantized cache, and, when its logits are pruned, ``logit_positions``). The caller does not pass them; it binds them around
 the call::
 
     with kvgraph.bind(manager.fetch(batch), input_row_offsets):
@@ -44,21 +44,29 @@ HOW_TO_BIND = (
 
 
 class CacheLayout(NamedTuple):
-    """What a lowered graph is specialised on besides the model: strategy, page size, device."""
+    """What a lowered graph is specialised on besides the model: strategy, page size, device, and
+    the storage of a quantized cache."""
 
     strategy: KVCacheStrategy
     page_size: int | None
     """Tokens per page (paged); ``None`` for the continuous strategy."""
     device: torch.device
+    quantization: tuple[torch.dtype, int] | None = None
+    """``(storage dtype, head-dim elements per scale)`` of a quantized cache; ``None`` otherwise."""
 
     @classmethod
     def of(cls, params: KVCacheParams) -> CacheLayout:
         page_size = params.page_size if params.is_paged else None
-        return cls(params.cache_strategy, page_size, torch.device(params.device))
+        quantization = (params.dtype, params.scale_group) if params.quantized else None
+        return cls(params.cache_strategy, page_size, torch.device(params.device), quantization)
 
     def __str__(self) -> str:
         page = f", page_size={self.page_size}" if self.page_size is not None else ""
-        return f"{self.strategy.value}{page} on {self.device}"
+        quant = ""
+        if self.quantization is not None:
+            dtype, group = self.quantization
+            quant = f", {str(dtype).removeprefix('torch.')} with a scale per {group}"
+        return f"{self.strategy.value}{page}{quant} on {self.device}"
 
 
 @dataclass(frozen=True)
@@ -88,18 +96,20 @@ class Binding:
 
     @property
     def layout(self) -> CacheLayout:
-        """Strategy (from the lookup table's rank), page size (blocks axis 3) and device of the cache."""
-        blocks, lookup = self.kv_inputs.blocks, self.kv_inputs.lookup_table
+        """Strategy (from the lookup table's rank), page size (blocks axis 3), device and quantization
+        (``kv_scales``' last dim) of the cache."""
+        blocks, lookup, scales = self.kv_inputs.blocks, self.kv_inputs.lookup_table, self.kv_inputs.kv_scales
+        quantization = None if scales is None else (blocks.dtype, blocks.shape[5] // max(scales.shape[5], 1))
         if lookup.dim() == 2:
-            return CacheLayout(KVCacheStrategy.PAGED, blocks.shape[3], blocks.device)
-        return CacheLayout(KVCacheStrategy.CONTINUOUS, None, blocks.device)
+            return CacheLayout(KVCacheStrategy.PAGED, blocks.shape[3], blocks.device, quantization)
+        return CacheLayout(KVCacheStrategy.CONTINUOUS, None, blocks.device, quantization)
 
     def tensors(self, names: Sequence[str] = KV_PLACEHOLDERS) -> list[torch.Tensor]:
         """The bound tensors in the order of the graph's KV placeholders ``names``."""
         kv = self.kv_inputs
         by_name = {
             "kv_blocks": kv.blocks, "cache_lengths": kv.cache_lengths, "lookup_table": kv.lookup_table,
-            "max_lengths": kv.max_lengths, "input_row_offsets": self.input_row_offsets,
+            "max_lengths": kv.max_lengths, "input_row_offsets": self.input_row_offsets, "kv_scales": kv.kv_scales,
         }
         if LOGIT_POSITIONS in names:
             by_name[LOGIT_POSITIONS] = self.positions
@@ -162,6 +172,13 @@ def _check_structure(kv: RaggedKVCacheInputs, input_row_offsets: object) -> None
         raise BindingError(
             f"input_row_offsets is on {input_row_offsets.device} but the cache blocks are on {blocks.device}"
         )
+    scales = kv.kv_scales
+    if scales is not None and (scales.dim() != 6 or scales.shape[:5] != blocks.shape[:5] or scales.shape[5] < 1
+                               or blocks.shape[5] % scales.shape[5]):
+        raise BindingError(
+            f"kv_scales must be the blocks' {tuple(blocks.shape[:5])} with a last dim dividing head_dim "
+            f"{blocks.shape[5]}, got shape {tuple(scales.shape)}"
+        )
 
 
 def _check_positions(positions: object, input_row_offsets: torch.Tensor) -> None:
@@ -214,7 +231,8 @@ def bind(
     binding = Binding(kv, input_row_offsets, logit_positions)
     _STACK.bindings.append(binding)
     try:
-        with bound_step(kv.blocks, kv.cache_lengths, kv.lookup_table, input_row_offsets, kv.max_lengths):
+        with bound_step(kv.blocks, kv.cache_lengths, kv.lookup_table, input_row_offsets, kv.max_lengths,
+                        kv.kv_scales):
             yield binding
     finally:
         _STACK.bindings.pop()
@@ -237,8 +255,8 @@ def require_binding(what: str = "this kvgraph-compiled model") -> Binding:
 def check_fit(binding: Binding, params: KVCacheParams, graph_device: torch.device | None = None) -> None:
     """Raise ``BindingError`` naming both sides unless ``binding`` fits a graph lowered for ``params``.
 
-    Compares strategy, page size, layers, KV heads, head size, dtype and device of the bound
-    cache with ``params`` (and the device with ``graph_device``, where the model's tensors live),
+    Compares strategy, page size, quantization, layers, KV heads, head size, dtype and device of
+    the bound cache with ``params`` (and the device with ``graph_device``, where the model's tensors live),
     and the index tensors' dtypes, ranks and batch sizes with the graph's input types.
     """
     need = CacheLayout.of(params)
@@ -246,12 +264,12 @@ def check_fit(binding: Binding, params: KVCacheParams, graph_device: torch.devic
     devices = [d for d in (need.device, graph_device) if d is not None]
     if have.strategy is not need.strategy or have.page_size != need.page_size or any(
         not _same_device(have.device, d) for d in devices
-    ):
+    ) or have.quantization != need.quantization:
         where = f" (model tensors on {graph_device})" if graph_device is not None else ""
         raise BindingError(f"the bound KV cache is {have}, but the graph was compiled for {need}{where}")
     sizes: dict[str, int] = {}
     try:
-        # symbols and tensors both in MAX order: blocks, cache_lengths, lookup_table, max_lengths
+        # symbols and tensors both in MAX order: blocks, cache_lengths, lookup_table, max_lengths(, kv_scales)
         for (name, tensor_type), tensor in zip(_input_types(params), binding.kv_inputs, strict=True):
             tensor_type.check(tensor, name, sizes)
     except CacheInputError as e:

@@ -11,11 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from kvgraph.cache.params import KVCacheStrategy, check_positive_int, parse_device
+from kvgraph.cache.quant import STORAGE_DTYPES
 from kvgraph.engine.quantization import check_quantization
 from kvgraph.errors import ConfigError
 
 COMPILE_MODES = ("inductor", "eager")
 """What runs the lowered graph: Inductor, or the lowered FX graph as it is."""
+
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+"""``kv_cache_dtype`` by name (the CLI's ``--kv-cache-dtype``): ``auto`` stores the model's dtype."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class EngineConfig:
             weights with a scale per row; needs ``dtype=torch.bfloat16``, one rank and the
             ``quant`` extra).
         quantize_lm_head: quantize the vocabulary projection too (with ``quantization`` only).
+        kv_cache_dtype: store the KV cache quantized: ``torch.int8`` or ``torch.float8_e4m3fn``
+            (or their names in ``KV_CACHE_DTYPES``), with a float32 scale per 128 elements of
+            the head dimension (MAX's ``KVCacheQuantizationConfig()``; clamped to the head size,
+            which it must then divide); read by the CPU kernels only. ``None``: the model's dtype.
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -74,6 +82,7 @@ class EngineConfig:
     adaptive_threads: bool = False
     quantization: str | None = None
     quantize_lm_head: bool = False
+    kv_cache_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
@@ -92,6 +101,7 @@ class EngineConfig:
             raise ConfigError("quantize_lm_head=True needs a quantization scheme, got quantization=None")
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype, self.device))
 
     @property
     def kv_cache_memory_per_rank(self) -> int | None:
@@ -110,6 +120,28 @@ def check_dtype(dtype: object) -> None:
     """``ConfigError`` unless ``dtype`` is ``None`` or a floating ``torch.dtype``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be None or a floating torch.dtype (torch.float16, ...), got {dtype!r}")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object, device: torch.device) -> torch.dtype | None:
+    """The storage dtype ``kv_cache_dtype`` names (``None``: the model's); ``ConfigError`` unless it is
+    ``None``, a name of ``KV_CACHE_DTYPES`` or one of the 8-bit storage dtypes, and the device has
+    a kernel that reads a quantized cache (the CPU)."""
+    if isinstance(kv_cache_dtype, str):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype is None:
+        return None
+    if kv_cache_dtype not in STORAGE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be None or one of {[str(d) for d in STORAGE_DTYPES]}, got {kv_cache_dtype!r}"
+        )
+    if device.type != "cpu":
+        raise ConfigError(
+            f"kv_cache_dtype={kv_cache_dtype} needs device cpu: only the CPU kernels read a quantized cache, "
+            f"got device {device}"
+        )
+    return kv_cache_dtype
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from kvgraph.cache.managers import load_kv_manager
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.quant import KVCacheQuantizationConfig
 from kvgraph.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -107,12 +109,17 @@ def check_tokenizer(tokenizer: object) -> None:
         )
 
 
-def model_kv_params(model: torch.nn.Module, **cache: object) -> KVCacheParams:
+def model_kv_params(model: torch.nn.Module, kv_cache_dtype: torch.dtype | None = None, **cache: object) -> KVCacheParams:
     """``KVCacheParams`` of ``model``: from its Hugging Face config when it has one
     (:func:`kv_params_from_config`), else from the attention sites of its graph (:func:`traced_kv_params`).
-    ``cache`` is their keyword arguments: ``cache_strategy``, ``page_size``, ``enable_prefix_caching``, ``device``."""
+    ``cache`` is their keyword arguments: ``cache_strategy``, ``page_size``, ``enable_prefix_caching``, ``device``.
+    ``kv_cache_dtype`` (``torch.int8``, ``torch.float8_e4m3fn``) stores the cache quantized with MAX's
+    default ``KVCacheQuantizationConfig()``; ``None``: in the model's dtype."""
     params = kv_params_from_config(model, **cache)
-    return params if params is not None else traced_kv_params(model, **cache)
+    params = params if params is not None else traced_kv_params(model, **cache)
+    if kv_cache_dtype is None:
+        return params
+    return replace(params, dtype=kv_cache_dtype, kvcache_quant_config=KVCacheQuantizationConfig())
 
 
 def kv_params_from_config(

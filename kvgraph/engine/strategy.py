@@ -111,7 +111,7 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
         model = quantize(model, config.quantization, lm_head=config.quantize_lm_head)
     params = model_kv_params(
         model, cache_strategy=config.cache_strategy, page_size=config.page_size,
-        enable_prefix_caching=config.enable_prefix_caching, device=device,
+        enable_prefix_caching=config.enable_prefix_caching, device=device, kv_cache_dtype=config.kv_cache_dtype,
     )
     params = strategy.shard(model, params, config)
     manager = make_manager(params, config.max_batch_size, config.max_seq_len, config.kv_cache_memory_per_rank)

@@ -1,8 +1,9 @@
 """The fused KV-cache attention op ``kvgraph::ragged_attention``: its definition and its one dispatch.
 
 ``torch.ops.kvgraph.ragged_attention(q, k, v, kv_blocks, cache_lengths, lookup_table,
-input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None, softcap=None)`` first stores
-the new tokens' K and V into layer ``layer_idx`` of the cache, then returns causal attention of
+input_row_offsets, max_lengths, layer_idx, scale=None, sliding_window=None, softcap=None, kv_scales=None)``
+first stores the new tokens' K and V (quantized with their ``kv_scales`` for a quantized cache) into
+layer ``layer_idx`` of the cache, then returns causal attention of
 every new token over its own sequence (cached prefix + new tokens up to itself). Token ``i``
 of sequence ``b`` sits at position ``p = cache_lengths[b] + i - input_row_offsets[b]`` and sees
 positions ``0..p``, or with a ``sliding_window`` of ``w`` tokens only ``max(0, p - w + 1)..p``
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvgraph.errors import CacheInputError
 from kvgraph.ops.checks import check_inputs
 from kvgraph.ops.plan import StepPlan, plan_for
 from kvgraph.ops.schema import SCHEMA, AttentionArgs
@@ -57,9 +59,25 @@ def implementation(device: torch.device) -> Run:
     return _cpu_run
 
 
+QUANTIZED_DEVICE_TYPES = ("cpu",)
+"""Device types with an implementation that reads a quantized cache: the CPU ones (C++, SDPA path and
+reference all dequantize); the Triton kernels do not."""
+
+
+def check_quantized_device(device: torch.device) -> None:
+    """``CacheInputError`` unless a quantized cache on ``device`` has an implementation that reads it."""
+    if device.type not in QUANTIZED_DEVICE_TYPES:
+        raise CacheInputError(
+            f"a quantized KV cache on {device} has no attention kernel: only {list(QUANTIZED_DEVICE_TYPES)} "
+            f"read one (the Triton kernels do not)"
+        )
+
+
 def dispatch(args: AttentionArgs) -> torch.Tensor:
     """Check ``args`` (the step's plan, reused within a bound step, and this layer), then run the op."""
     plan = plan_for(args)
+    if args.kv_scales is not None:
+        check_quantized_device(plan.device)
     return implementation(plan.device)(args, plan)
 
 

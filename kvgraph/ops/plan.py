@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import torch
 
+from kvgraph.cache.quant import STORAGE_DTYPES
 from kvgraph.cache.symbols import INDEX_DTYPE
 from kvgraph.errors import CacheInputError
 from kvgraph.ops.schema import AttentionArgs
@@ -46,11 +47,12 @@ class StepPlan:
 
     Attributes:
         device: where ``kv_blocks`` and the index tensors (but ``max_lengths``) live.
-        dtype: ``kv_blocks``' dtype, which q, k and v share.
+        dtype: ``kv_blocks``' dtype, which q, k and v share unless the cache is quantized.
         num_layers: ``kv_blocks.shape[2]``.
         n_kv_heads: ``kv_blocks.shape[4]``, the k/v heads.
         head_dim: ``kv_blocks.shape[5]``.
         batch: ``len(cache_lengths)``.
+        scale_group: head-dim elements per scale of a quantized cache (``kv_scales`` given), else ``None``.
         derived: what implementations computed for this step (:meth:`derived`).
     """
 
@@ -60,12 +62,13 @@ class StepPlan:
     n_kv_heads: int
     head_dim: int
     batch: int
+    scale_group: int | None = None
     _derived: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, args: AttentionArgs) -> StepPlan:
         """Check the step's cache tensors in ``args`` (metadata only: no device sync, fake tensors too)."""
-        kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths = _cache_tensors(args)
+        kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, kv_scales = _cache_tensors(args)
         for name, t, rank in (
             ("kv_blocks", kv_blocks, 6), ("cache_lengths", cache_lengths, 1),
             ("input_row_offsets", input_row_offsets, 1), ("max_lengths", max_lengths, 2),
@@ -77,8 +80,10 @@ class StepPlan:
                 f"lookup_table must have rank 2 (paged) or 1 (continuous), got rank {lookup_table.dim()} "
                 f"(shape {tuple(lookup_table.shape)})"
             )
-        if kv_blocks.dtype not in FLOAT_DTYPES:
-            raise CacheInputError(f"kv_blocks dtype {kv_blocks.dtype} is not one of {FLOAT_DTYPES}")
+        if kv_scales is None and kv_blocks.dtype not in FLOAT_DTYPES:
+            hint = " without kv_scales (a quantized cache passes them)" if kv_blocks.dtype in STORAGE_DTYPES else ""
+            raise CacheInputError(f"kv_blocks dtype {kv_blocks.dtype} is not one of {FLOAT_DTYPES}{hint}")
+        scale_group = None if kv_scales is None else _check_scales(kv_blocks, kv_scales)
         for name, t in (
             ("cache_lengths", cache_lengths), ("lookup_table", lookup_table),
             ("input_row_offsets", input_row_offsets), ("max_lengths", max_lengths),
@@ -106,7 +111,7 @@ class StepPlan:
         if _differ(max_lengths.shape[1], 2) or (isinstance(max_lengths.shape[0], int) and max_lengths.shape[0] < 1):
             raise CacheInputError(f"max_lengths must be [num_steps >= 1, 2], got shape {tuple(max_lengths.shape)}")
         _, _, num_layers, _, n_kv_heads, head_dim = kv_blocks.shape
-        return cls(kv_blocks.device, kv_blocks.dtype, num_layers, n_kv_heads, head_dim, batch)
+        return cls(kv_blocks.device, kv_blocks.dtype, num_layers, n_kv_heads, head_dim, batch, scale_group)
 
     def check_layer(self, args: AttentionArgs) -> None:
         """Check one layer's q/k/v against the plan, and ``layer_idx``, ``scale``, ``sliding_window``, ``softcap``."""
@@ -116,7 +121,9 @@ class StepPlan:
                 raise CacheInputError(f"{name} must have rank 3, got rank {t.dim()} (shape {tuple(t.shape)})")
         if q.dtype not in FLOAT_DTYPES:
             raise CacheInputError(f"q dtype {q.dtype} is not one of {FLOAT_DTYPES}")
-        for name, dtype in (("k", k.dtype), ("v", v.dtype), ("kv_blocks", self.dtype)):
+        quantized = self.dtype in STORAGE_DTYPES  # build() saw kv_scales with these
+        same = (("k", k.dtype), ("v", v.dtype)) + ((("kv_blocks", self.dtype),) if not quantized else ())
+        for name, dtype in same:
             if dtype != q.dtype:
                 raise CacheInputError(f"{name} dtype {dtype} does not match q dtype {q.dtype}")
         for name, device in (("k", k.device), ("v", v.device), ("kv_blocks", self.device)):
@@ -160,14 +167,40 @@ class StepPlan:
         return self._derived[key]
 
 
-def _cache_tensors(args: AttentionArgs) -> tuple[torch.Tensor, ...]:
-    """``(kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths)`` of ``args``."""
-    return args.kv_blocks, args.cache_lengths, args.lookup_table, args.input_row_offsets, args.max_lengths
+def _check_scales(kv_blocks: torch.Tensor, kv_scales: torch.Tensor) -> int | None:
+    """Head-dim elements per scale of a quantized cache; ``CacheInputError`` unless ``kv_blocks`` is
+    8-bit storage and ``kv_scales`` float32 ``kv_blocks``' shape with a last dim dividing head_dim
+    (``None`` while tracing symbolic sizes)."""
+    if kv_blocks.dtype not in STORAGE_DTYPES:
+        raise CacheInputError(
+            f"kv_scales needs 8-bit kv_blocks, one of {list(STORAGE_DTYPES)}; got kv_blocks dtype {kv_blocks.dtype}"
+        )
+    if kv_scales.dtype != torch.float32:
+        raise CacheInputError(f"kv_scales dtype {kv_scales.dtype} must be torch.float32")
+    if kv_scales.device != kv_blocks.device:
+        raise CacheInputError(f"kv_scales is on {kv_scales.device} but kv_blocks is on {kv_blocks.device}")
+    if kv_scales.dim() != 6 or any(_differ(a, b) for a, b in zip(kv_scales.shape[:5], kv_blocks.shape[:5], strict=True)):
+        raise CacheInputError(
+            f"kv_scales shape {tuple(kv_scales.shape)} must be kv_blocks' {tuple(kv_blocks.shape[:5])} "
+            f"with a last dim of scales"
+        )
+    groups, head_dim = kv_scales.shape[5], kv_blocks.shape[5]
+    if not (isinstance(groups, int) and isinstance(head_dim, int)):
+        return None
+    if groups < 1 or head_dim % groups:
+        raise CacheInputError(f"kv_scales has {groups} scales per row, which does not divide head_dim {head_dim}")
+    return head_dim // groups
 
 
-def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int | None, ...]:
+def _cache_tensors(args: AttentionArgs) -> tuple[torch.Tensor | None, ...]:
+    """``(kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, kv_scales)`` of ``args``."""
+    return (args.kv_blocks, args.cache_lengths, args.lookup_table, args.input_row_offsets, args.max_lengths,
+            args.kv_scales)
+
+
+def _versions(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int | None, ...]:
     """In-place write counters of the index tensors (``None`` for inference tensors, which keep none)."""
-    return tuple(None if t.is_inference() else t._version for t in tensors[1:])
+    return tuple(None if t.is_inference() else t._version for t in tensors[1:5])
 
 
 class _Step:
@@ -200,13 +233,14 @@ def bound_step(
     lookup_table: torch.Tensor,
     input_row_offsets: torch.Tensor,
     max_lengths: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """Within this block (in this thread), op calls on these cache tensors share one :class:`StepPlan`.
 
     Shapes are the op's (:class:`~kvgraph.ops.schema.AttentionArgs`). Nothing is checked on
     entry: the first layer builds (and checks) the plan, so a bad step is refused by the op.
     """
-    _BOUND.steps.append(_Step((kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths)))
+    _BOUND.steps.append(_Step((kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, kv_scales)))
     try:
         yield
     finally:

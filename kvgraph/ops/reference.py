@@ -1,5 +1,8 @@
 """Pure-PyTorch reference of ``kvgraph::ragged_attention``, and the float64 test golden.
 
+Over a quantized cache the views quantize what they store and dequantize what they load
+(:mod:`kvgraph.cache.quant`), so the reference attends over the dequantized cache.
+
 :func:`ragged_attention` is written against the collection views
 (:mod:`kvgraph.cache.collection`): it stores the new K/V through ``PagedKVCache.store`` /
 ``ContinuousBatchingKVCache.store``, loads each sequence's context once, and computes
@@ -143,9 +146,10 @@ class RaggedBatch:
 
 
 def _collection(
-    kv_blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, max_lengths: torch.Tensor
+    kv_blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, max_lengths: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> Collection:
-    return collection_for(RaggedKVCacheInputs(kv_blocks, cache_lengths, lookup_table, max_lengths))
+    return collection_for(RaggedKVCacheInputs(kv_blocks, cache_lengths, lookup_table, max_lengths, kv_scales))
 
 
 def store_kv(
@@ -188,11 +192,12 @@ def store_and_load_context(args: AttentionArgs, plan: StepPlan) -> tuple[RaggedB
     step), store the new K/V, load every sequence's whole context.
 
     Returns ``(batch, k_ctx, v_ctx)`` with ``k_ctx, v_ctx`` ``[batch, max_total, Hkv, D]`` in the
-    cache dtype, zero past each sequence's length.
+    cache dtype (float32 dequantized from a quantized cache), zero past each sequence's length.
     """
     batch = ragged_batch(args, plan)
     collection = plan.derived(
-        Collection, lambda: _collection(args.kv_blocks, args.cache_lengths, args.lookup_table, args.max_lengths)
+        Collection,
+        lambda: _collection(args.kv_blocks, args.cache_lengths, args.lookup_table, args.max_lengths, args.kv_scales),
     )
     keys, values = collection.get_key_cache(args.layer_idx), collection.get_value_cache(args.layer_idx)
     positions = batch.positions

@@ -32,6 +32,10 @@ class AttentionArgs(NamedTuple):
         sliding_window: ``w`` >= 1: the token at position ``p`` sees only positions ``p - w + 1..p``
             (the cache still holds every position); ``None``: all of ``0..p``.
         softcap: ``c > 0``: scores ``s`` become ``c * tanh(s / c)`` before softmax; ``None``: unchanged.
+        kv_scales: written in place with ``kv_blocks`` when the cache is quantized (``kv_blocks`` then
+            ``torch.int8`` or ``torch.float8_e4m3fn``): float32 ``kv_blocks``' shape with the last dim
+            ``D // group``; element ``d`` of a row is ``kv_blocks[..., d] * kv_scales[..., d // group]``
+            (:mod:`kvgraph.cache.quant`). ``None``: ``kv_blocks`` holds q's dtype.
     """
 
     q: torch.Tensor
@@ -46,21 +50,29 @@ class AttentionArgs(NamedTuple):
     scale: float | None = None
     sliding_window: int | None = None
     softcap: float | None = None
+    kv_scales: torch.Tensor | None = None
 
 
-MUTATED = frozenset({"kv_blocks"})
+MUTATED = frozenset({"kv_blocks", "kv_scales"})
 """Arguments the op writes in place."""
 
-_SCHEMA_TYPES = {torch.Tensor: "Tensor", int: "int", float | None: "float?", int | None: "int?"}
+_SCHEMA_TYPES = {
+    torch.Tensor: "Tensor", int: "int", float | None: "float?", int | None: "int?", torch.Tensor | None: "Tensor?",
+}
 
 
 def _schema() -> str:
-    """``(Tensor q, ..., Tensor(a!) kv_blocks, ..., float? softcap=None) -> Tensor`` from :class:`AttentionArgs`."""
+    """``(Tensor q, ..., Tensor(a!) kv_blocks, ..., Tensor(b!)? kv_scales=None) -> Tensor`` from
+    :class:`AttentionArgs`: each mutated argument gets an alias set of its own (``a``, ``b``, ...)."""
     hints = typing.get_type_hints(AttentionArgs)
     defaults = AttentionArgs._field_defaults
     params = []
+    aliases = iter("abcdefgh")
     for name in AttentionArgs._fields:
-        kind = _SCHEMA_TYPES[hints[name]] + ("(a!)" if name in MUTATED else "")
+        kind = _SCHEMA_TYPES[hints[name]]
+        if name in MUTATED:
+            optional = kind.endswith("?")
+            kind = f"{kind.removesuffix('?')}({next(aliases)}!){'?' if optional else ''}"
         default = f"={defaults[name]!r}" if name in defaults else ""
         params.append(f"{kind} {name}{default}")
     return f"({', '.join(params)}) -> Tensor"

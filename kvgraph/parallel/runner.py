@@ -73,7 +73,7 @@ class WorkerRunner(ModelRunner):
 
     def serve(self) -> int:
         """Run rank 0's model calls as they come until it stops; returns how many ran."""
-        blocks = self.manager.blocks
+        blocks, scales = self.manager.blocks, self.manager.kv_scales
         device = blocks.device
         calls = 0
         while True:
@@ -81,10 +81,11 @@ class WorkerRunner(ModelRunner):
             if message == STOP:
                 return calls
             for src, dst, rows in message.copies:
-                copy_page_rows(blocks, src, dst, rows)
+                copy_page_rows(blocks, src, dst, rows, scales)
             kv = RaggedKVCacheInputs(
                 blocks=blocks, cache_lengths=message.cache_lengths.to(device),
                 lookup_table=message.lookup_table.to(device), max_lengths=message.max_lengths,
+                kv_scales=scales,
             )
             with self.tp.watch(f"step {calls}"):
                 super().__call__(

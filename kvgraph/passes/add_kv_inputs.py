@@ -1,8 +1,9 @@
 """Pass 2: add the KV-cache inputs to the graph as typed placeholders.
 
 After every existing placeholder, in this order: ``kv_blocks``, ``cache_lengths``,
-``lookup_table``, ``max_lengths`` (one per symbol of ``ragged_input_symbols(params)``, i.e.
-``manager.input_symbols()[0]``) and ``input_row_offsets`` (int32 ``[batch_size + 1]``).
+``lookup_table``, ``max_lengths``, for a quantized cache ``kv_scales`` (one per symbol of
+``ragged_input_symbols(params)``, i.e. ``manager.input_symbols()[0]``) and ``input_row_offsets``
+(int32 ``[batch_size + 1]``).
 Each gets ``meta["val"]`` (and Dynamo's ``meta["example_value"]``): a fake tensor of the
 graph's own fake mode whose symbolic dims (``total_num_pages``, ``batch_size``, ...) are new
 SymInts of the graph's ShapeEnv, ``batch_size`` shared by all of them.
@@ -22,9 +23,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.cache.symbols import (
     INDEX_DTYPE,
-    KV_PLACEHOLDERS,
     RaggedKVCacheInputSymbols,
     fake_inputs,
+    kv_placeholders,
     ragged_input_symbols,
 )
 from kvgraph.errors import LoweringError
@@ -44,10 +45,12 @@ class KVPlaceholders:
     max_lengths: Node
     input_row_offsets: Node
     symbols: RaggedKVCacheInputSymbols
+    kv_scales: Node | None = None
+    """A quantized cache's scales; ``None`` unquantized."""
 
     def nodes(self) -> list[Node]:
-        """In placeholder order (``KV_PLACEHOLDERS``)."""
-        return [getattr(self, name) for name in KV_PLACEHOLDERS]
+        """In placeholder order (``kv_placeholders(symbols)``)."""
+        return [getattr(self, name) for name in kv_placeholders(self.symbols)]
 
     def names(self) -> list[str]:
         return [n.name for n in self.nodes()]
@@ -55,6 +58,10 @@ class KVPlaceholders:
     def op_args(self) -> tuple[Node, ...]:
         """In the order of ``kvgraph::ragged_attention``'s cache arguments."""
         return (self.kv_blocks, self.cache_lengths, self.lookup_table, self.input_row_offsets, self.max_lengths)
+
+    def scale_args(self) -> tuple[Node, ...]:
+        """The op's arguments after ``softcap``: ``(kv_scales,)`` for a quantized cache, else none."""
+        return () if self.kv_scales is None else (self.kv_scales,)
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule) -> FakeTensorMode:
@@ -90,11 +97,12 @@ def run(gm: torch.fx.GraphModule, params: KVCacheParams) -> KVPlaceholders:
     """Add the KV placeholders typed by ``params``; raises ``LoweringError`` if a name is taken."""
     start = time.perf_counter()
     graph = gm.graph
-    taken = sorted({n.name for n in graph.nodes} & set(KV_PLACEHOLDERS))
+    symbols = ragged_input_symbols(params)
+    names = kv_placeholders(symbols)
+    taken = sorted({n.name for n in graph.nodes} & set(names))
     if taken:
         raise LoweringError(f"the graph already has nodes named {taken}; cannot add the KV placeholders")
     fake_mode = graph_fake_mode(gm)
-    symbols = ragged_input_symbols(params)
     syms: dict[str, torch.SymInt] = {}
     fakes = fake_inputs(list(symbols), fake_mode, syms)
     with uncached(fake_mode):
@@ -102,14 +110,14 @@ def run(gm: torch.fx.GraphModule, params: KVCacheParams) -> KVPlaceholders:
     fakes.append(offsets)
     nodes = []
     anchor = list(graph.find_nodes(op="placeholder"))[-1]
-    for name, fake in zip(KV_PLACEHOLDERS, fakes, strict=True):
+    for name, fake in zip(names, fakes, strict=True):
         with graph.inserting_after(anchor):
             anchor = graph.placeholder(name, type_expr=torch.Tensor)
         anchor.meta["val"] = fake
         anchor.meta["example_value"] = fake
         anchor._dynamo_source = None  # aot_autograd expects one on every placeholder of a Dynamo graph
         nodes.append(anchor)
-    kv = KVPlaceholders(*nodes, symbols=symbols)
+    kv = KVPlaceholders(**dict(zip(names, nodes, strict=True)), symbols=symbols)
     log_pass("add_kv_inputs", start, ", ".join(f"{n.name}: {_type(meta_value(n))}" for n in nodes))
     return kv
 

@@ -6,8 +6,9 @@ For site ``i`` (execution order) with ``q [1, Hq, T, D]`` and un-repeated ``k, v
     out = ragged_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                            kv_blocks, cache_lengths, lookup_table, input_row_offsets,
                            max_lengths, layer_idx=i, scale=scale,
-                           sliding_window=w, softcap=c)  # [T, Hq, D]; w from the proven mask,
-                                                         # c from a tanh soft-cap; or None
+                           sliding_window=w, softcap=c,  # [T, Hq, D]; w from the proven mask,
+                           kv_scales)                    # c from a tanh soft-cap; or None;
+                                                         # kv_scales only for a quantized cache
     site -> out.transpose(0, 1)[None]    # [1, Hq, T, D]
 
 The old site (and its mask subgraph) is left without users for dead-code elimination.
@@ -60,7 +61,7 @@ def run(gm: torch.fx.GraphModule, sites: list[AttentionSite], kv: KVPlaceholders
                 q = emit(_FACTOR_OPS[name], q, factor)
             q3, k3, v3 = (emit(torch.transpose, emit(torch.squeeze, x, 0), 0, 1) for x in (q, site.k, site.v))
             call = emit(op, q3, k3, v3, *kv.op_args(), site.layer_idx, site.scale, site.sliding_window,
-                        site.softcap)
+                        site.softcap, *kv.scale_args())
             out = emit(torch.unsqueeze, emit(torch.transpose, call, 0, 1), 0)
             dtype = meta_value(site.node).dtype
             if meta_value(out).dtype != dtype:

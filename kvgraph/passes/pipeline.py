@@ -21,8 +21,9 @@ import torch
 import torch.fx
 
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.quant import KVCacheQuantizationConfig
 from kvgraph.cache.symbols import LOGIT_POSITIONS, RaggedKVCacheInputSymbols
-from kvgraph.errors import LoweringError
+from kvgraph.errors import CacheInputError, LoweringError
 from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite, KnownWindows
 from kvgraph.passes.graph_view import copy_module
@@ -63,7 +64,9 @@ class LoweringPipeline:
         dump: Dump | None = None,
         example_inputs: Sequence[object] | None = None,
         windows: KnownWindows | None = None,
+        quantization: tuple[torch.dtype, int] | None = None,
     ) -> None:
+        self.quantization = quantization
         self.cache_strategy = KVCacheStrategy.parse(cache_strategy)
         # Validates page_size for the strategy now (InvalidParamsError), before any graph is touched.
         KVCacheParams(torch.float32, 1, 1, 1, page_size=page_size, cache_strategy=self.cache_strategy)
@@ -123,26 +126,45 @@ class LoweringPipeline:
         graph_device = analysis.device
         if self.expected is not None:
             exp = self.expected
+            # a quantized cache stores its own dtype: any floating model dtype reads it
+            fields = [name for name in _GRAPH_FIELDS if not (exp.quantized and name == "dtype")]
             wrong = [f"{name}: graph {getattr(analysis, name)} vs cache {getattr(exp, name)}"
-                     for name in _GRAPH_FIELDS if getattr(analysis, name) != getattr(exp, name)]
+                     for name in fields if getattr(analysis, name) != getattr(exp, name)]
             if exp.device.type != graph_device.type:
                 wrong.append(f"device: graph {graph_device} vs cache {exp.device}")
             if wrong:
                 raise LoweringError("the graph does not fit the expected KV cache params: " + "; ".join(wrong))
-            return exp
+            return _readable(exp)
         device = self.device or graph_device
         if device.type != graph_device.type:
             raise LoweringError(f"device: the graph computes on {graph_device} but the cache is on {device}")
-        return KVCacheParams(
-            dtype=analysis.dtype, n_kv_heads=analysis.n_kv_heads, head_dim=analysis.head_dim,
+        dtype, config = analysis.dtype, None
+        if self.quantization is not None:
+            dtype, group = self.quantization
+            config = KVCacheQuantizationConfig(quantization_granularity=group)
+        return _readable(KVCacheParams(
+            dtype=dtype, n_kv_heads=analysis.n_kv_heads, head_dim=analysis.head_dim,
             num_layers=analysis.num_layers, page_size=self.page_size, cache_strategy=self.cache_strategy,
-            device=device,
-        )
+            device=device, kvcache_quant_config=config,
+        ))
 
     def _dump(self, stage: str, gm: torch.fx.GraphModule) -> None:
         if self.dump is not None:
             gm.recompile()
             self.dump(stage, gm)
+
+
+def _readable(params: KVCacheParams) -> KVCacheParams:
+    """``params``, if an attention kernel reads such a cache on its device (``LoweringError`` naming
+    the device otherwise: a quantized cache is read on the CPU only)."""
+    if params.quantized:
+        from kvgraph.ops.attention import check_quantized_device
+
+        try:
+            check_quantized_device(params.device)
+        except CacheInputError as e:
+            raise LoweringError(str(e)) from None
+    return params
 
 
 def lower(
@@ -157,6 +179,7 @@ def lower(
     dump: Dump | None = None,
     example_inputs: Sequence[object] | None = None,
     windows: KnownWindows | None = None,
+    quantization: tuple[torch.dtype, int] | None = None,
 ) -> LoweringResult:
     """Lower a Dynamo graph of a decoder (batch of one, ``[1, T]`` tokens) to a ragged KV-cache graph.
 
@@ -177,8 +200,11 @@ def lower(
             with a dynamic token count; a graph captured for a fixed token count (Dynamo
             specialises ``T == 1``) takes them, as it cannot show a window wider than ``T``, and
             a graph of a dynamic count must show the same.
+        quantization: ``(storage dtype, head-dim elements per scale)`` of a quantized cache
+            (without ``expected``); ``None``: the cache stores the model's dtype.
     """
     return LoweringPipeline(
         cache_strategy=cache_strategy, page_size=page_size, device=device, expected=expected, strict=strict,
         prune_logits=prune_logits, dump=dump, example_inputs=example_inputs, windows=windows,
+        quantization=quantization,
     )(gm)

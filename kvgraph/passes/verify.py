@@ -85,7 +85,7 @@ def run(gm: torch.fx.GraphModule, analysis: AttentionAnalysis, kv: KVPlaceholder
         problems.append(f"layer_idx of the {len(calls)} ragged_attention calls are {layers}, "
                         f"expected 0..{analysis.num_layers - 1} once each")
     for call in calls:
-        if tuple(call.args[3:8]) != kv.op_args():
+        if tuple(call.args[3:8]) != kv.op_args() or tuple(call.args[12:]) != kv.scale_args():
             problems.append(f"{call.name} does not read the KV placeholders {kv.names()}")
     problems += [f"KV placeholder '{n.name}' is unused" for n in kv.nodes() if not n.users]
     alive = set(gm.graph.nodes)

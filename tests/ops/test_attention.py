@@ -18,7 +18,8 @@ def test_schema_is_the_contract():
     assert str(OP.default._schema) == (
         "kvgraph::ragged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_blocks, "
         "Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, Tensor max_lengths, "
-        "int layer_idx, float? scale=None, int? sliding_window=None, float? softcap=None) -> Tensor"
+        "int layer_idx, float? scale=None, int? sliding_window=None, float? softcap=None, "
+        "Tensor(b!)? kv_scales=None) -> Tensor"
     )
 
 

@@ -68,7 +68,7 @@ def test_the_kernel_builds_for_this_cpu_with_the_op_schema():
     assert [(a.name, str(a.type), a.default_value, a.is_out) for a in ours.arguments] == [
         (a.name, str(a.type), a.default_value, a.is_out) for a in op.arguments
     ]
-    assert [a.name for a in ours.arguments[-3:]] == ["scale", "sliding_window", "softcap"]
+    assert [a.name for a in ours.arguments[-4:]] == ["scale", "sliding_window", "softcap", "kv_scales"]
     assert ours.arguments[3].alias_info.is_write  # kv_blocks is written in place
 
 

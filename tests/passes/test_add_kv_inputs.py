@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.cache.symbols import ragged_input_symbols
+from kvgraph.cache.quant import KVCacheQuantizationConfig
+from kvgraph.cache.symbols import KV_PLACEHOLDERS, ragged_input_symbols
 from kvgraph.errors import LoweringError
 from kvgraph.passes import add_kv_inputs
-from kvgraph.passes.add_kv_inputs import KV_PLACEHOLDERS, graph_fake_mode
+from kvgraph.passes.add_kv_inputs import graph_fake_mode
 from tests.naming import raises_naming
 
 
@@ -46,6 +47,21 @@ def test_placeholders_follow_the_symbols(llama_sdpa, strategy):
     else:
         assert vals["lookup_table"].dim() == 2 and vals["kv_blocks"].shape[3] == 8
     assert kv.op_args() == (kv.kv_blocks, kv.cache_lengths, kv.lookup_table, kv.input_row_offsets, kv.max_lengths)
+
+
+@pytest.mark.parametrize("strategy", ["paged", "continuous"])
+def test_a_quantized_cache_adds_its_scales_after_max_lengths(llama_sdpa, strategy):
+    quantized = KVCacheParams(torch.int8, n_kv_heads=2, head_dim=16, num_layers=2, page_size=8,
+                              cache_strategy=strategy,
+                              kvcache_quant_config=KVCacheQuantizationConfig(quantization_granularity=8))
+    gm = llama_sdpa.fresh()
+    kv = add_kv_inputs.run(gm, quantized)
+    names = ["kv_blocks", "cache_lengths", "lookup_table", "max_lengths", "kv_scales", "input_row_offsets"]
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder")[-6:]] == names == kv.names()
+    blocks, scales = kv.kv_blocks.meta["val"], kv.kv_scales.meta["val"]
+    assert blocks.dtype == torch.int8 and scales.dtype == torch.float32
+    assert shape_exprs(scales)[:5] == shape_exprs(blocks)[:5] and scales.shape[5] == 2
+    assert kv.scale_args() == (kv.kv_scales,)
 
 
 def test_taken_name_is_refused(llama_sdpa):

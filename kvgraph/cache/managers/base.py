@@ -118,6 +118,9 @@ class KVCacheManager(abc.ABC):
             ``ragged_input_symbols``), each with ``params.n_kv_heads_per_device`` heads;
             ``fetch`` returns them as they are, the attention op writes into them.
         blocks: ``device_blocks[0]``.
+        device_scales: for a quantized cache (``params.quantized``) the float32 scales of each
+            device's blocks, laid out like them with the last dim ``params.scales_per_head``;
+            empty otherwise.
     """
 
     def __init__(
@@ -138,16 +141,30 @@ class KVCacheManager(abc.ABC):
         self._lock = threading.RLock()
         self._seqs: dict[int, SequenceState] = {}
         self.device_blocks: list[torch.Tensor] = []
+        self.device_scales: list[torch.Tensor] = []
 
     @property
     def blocks(self) -> torch.Tensor:
         return self.device_blocks[0]
 
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """``device_scales[0]``, or ``None`` for an unquantized cache."""
+        return self.device_scales[0] if self.device_scales else None
+
     def _allocate_blocks(self, num_blocks: int, rows: int) -> None:
-        """Zeroed ``[num_blocks, 2, num_layers, rows, n_kv_heads_per_device, head_dim]`` per device."""
+        """Zeroed ``[num_blocks, 2, num_layers, rows, n_kv_heads_per_device, head_dim]`` per device, and
+        for a quantized cache zeroed scales ``[..., scales_per_head]`` beside them."""
         p = self.params
         shape = (num_blocks, 2, p.num_layers, rows, p.n_kv_heads_per_device, p.head_dim)
         self.device_blocks = [torch.zeros(shape, dtype=p.dtype, device=d) for d in self.devices]
+        if p.quantized:
+            scale_shape = (*shape[:-1], p.scales_per_head)
+            dtype = p.kvcache_quant_config.scale_dtype
+            self.device_scales = [torch.zeros(scale_shape, dtype=dtype, device=d) for d in self.devices]
+
+    def _scales_of(self, device_index: int) -> torch.Tensor | None:
+        return self.device_scales[device_index] if self.device_scales else None
 
     # -- strategy hooks (called under the lock) --
     @abc.abstractmethod
@@ -285,8 +302,8 @@ class KVCacheManager(abc.ABC):
         fetch wrote would otherwise be lost.
 
         Returns per device a ``RaggedKVCacheInputs``: ``blocks`` (that device's tensor),
-        ``cache_lengths int32 [batch]``, ``lookup_table int32`` and ``max_lengths int32
-        [num_steps, 2]`` (CPU).
+        ``cache_lengths int32 [batch]``, ``lookup_table int32``, ``max_lengths int32
+        [num_steps, 2]`` (CPU) and, for a quantized cache, ``kv_scales`` (that device's scales).
         """
         with self._lock:
             seqs = self._check_fetch(batch, num_steps)
@@ -304,8 +321,9 @@ class KVCacheManager(abc.ABC):
                     cache_lengths=cache_lengths.to(blocks.device),
                     lookup_table=lookup_table.to(blocks.device),
                     max_lengths=max_lengths,
+                    kv_scales=self._scales_of(i),
                 )
-                for blocks in self.device_blocks
+                for i, blocks in enumerate(self.device_blocks)
             ]
 
     def step(self, batch: Sequence[KVRequest]) -> None:
@@ -380,6 +398,7 @@ class KVCacheManager(abc.ABC):
             cache_lengths=inputs.cache_lengths + new,
             lookup_table=inputs.lookup_table,
             max_lengths=inputs.max_lengths[1:],
+            kv_scales=inputs.kv_scales,
         )
 
     # -- sizing (MAX's signatures; ``available_cache_memory`` is bytes over all ``devices``) --

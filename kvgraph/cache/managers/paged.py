@@ -50,12 +50,16 @@ class _Plan:
     """The sequence was never stepped: its first fetch, which may hit the prefix cache."""
 
 
-def copy_page_rows(blocks: torch.Tensor, src: int, dst: int, n: int) -> None:
-    """Copy the first ``n`` token rows of every layer's K and V of page ``src`` into page ``dst``.
+def copy_page_rows(blocks: torch.Tensor, src: int, dst: int, n: int, scales: torch.Tensor | None = None) -> None:
+    """Copy the first ``n`` token rows of every layer's K and V of page ``src`` into page ``dst``,
+    and their scales for a quantized cache.
 
-    ``blocks``: ``[num_pages, 2, L, page_size, H, D]`` (one device's heads).
+    ``blocks``: ``[num_pages, 2, L, page_size, H, D]`` (one device's heads); ``scales``: float32
+    ``[num_pages, 2, L, page_size, H, D // group]`` or ``None``.
     """
     blocks[dst, :, :, :n].copy_(blocks[src, :, :, :n])
+    if scales is not None:
+        scales[dst, :, :, :n].copy_(scales[src, :, :, :n])
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -67,7 +71,8 @@ class PagedKVCacheManager(KVCacheManager):
 
     ``blocks``: ``[total_num_pages, 2, num_layers, page_size, n_kv_heads_per_device, head_dim]``
     of ``params.dtype`` per device, zero-initialised (axis 1: 0 = key, 1 = value); every device
-    holds its heads of the same pages. ``lookup_table``: ``int32 [batch, max_num_pages]``:
+    holds its heads of the same pages. A quantized cache keeps their scales in ``device_scales``
+    (``page_bytes`` counts them), copied with the rows on copy-on-write. ``lookup_table``: ``int32 [batch, max_num_pages]``:
     ``[batch, logical_page] -> physical_page``, unused entries hold ``total_num_pages``.
 
     Built as MAX's ``(params, max_batch_size, max_seq_len, num_layers, devices, session,
@@ -287,9 +292,10 @@ class PagedKVCacheManager(KVCacheManager):
         return max(0, -free)
 
     def _copy_rows(self, src: Page, dst: Page, n: int) -> None:
-        """Copy-on-write: the first ``n`` token rows of every layer's K and V from ``src`` to ``dst``."""
-        for blocks in self.device_blocks:
-            copy_page_rows(blocks, src.page_id, dst.page_id, n)
+        """Copy-on-write: the first ``n`` token rows of every layer's K and V (and their scales) from
+        ``src`` to ``dst``."""
+        for i, blocks in enumerate(self.device_blocks):
+            copy_page_rows(blocks, src.page_id, dst.page_id, n, self._scales_of(i))
         for listener in self.copy_listeners:
             listener(src.page_id, dst.page_id, n)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvgraph.engine.config import COMPILE_MODES, EngineConfig
+from kvgraph.engine.config import COMPILE_MODES, KV_CACHE_DTYPES, EngineConfig
 from kvgraph.engine.quantization import QUANTIZATION_SCHEMES
 from kvgraph.errors import ConfigError
 
@@ -131,6 +131,9 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache strategy")
     g.add_argument("--page-size", type=positive_int, default=_default("page_size"),
                    help="tokens per page (default %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="store K/V quantized, 8 bits with a float32 scale per 128 head-dim elements "
+                   "(CPU only); auto: the model's dtype (default %(default)s)")
 
 
 FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
@@ -139,6 +142,7 @@ FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "freeze_weights": lambda args: not args.no_freeze_weights,
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
+    "kv_cache_dtype": lambda args: KV_CACHE_DTYPES[args.kv_cache_dtype],
 }
 """How the ``EngineConfig`` fields whose flag has another name or meaning are read from the parsed
 flags; every other field is the flag of its own name (``--page-size`` is ``page_size``)."""

@@ -64,6 +64,7 @@ def capture(args: argparse.Namespace) -> Captured:
     from kvgraph.cache.request import KVRequest
     from kvgraph.compiler import backend
     from kvgraph.compiler.step import run_step
+    from kvgraph.engine.config import check_kv_cache_dtype
     from kvgraph.engine.loading import model_kv_params
     from kvgraph.engine.quantization import check_quantization, quantize
 
@@ -76,7 +77,7 @@ def capture(args: argparse.Namespace) -> Captured:
         model = quantize(model, args.quantization, lm_head=args.quantize_lm_head)
     device = next(model.parameters()).device
     kw = dict(cache_strategy=args.cache, page_size=args.page_size, enable_prefix_caching=False, device=device)
-    params = model_kv_params(model, **kw)
+    params = model_kv_params(model, kv_cache_dtype=check_kv_cache_dtype(args.kv_cache_dtype, device), **kw)
     if args.tensor_parallel_size > 1:
         from kvgraph.parallel.single_rank import shard_as_rank_zero
 

@@ -20,6 +20,12 @@
 // token's window starts at most kQueryBlock - 1 keys further, masked in the tile that holds it.
 // Softcap c (Gemma 2): each score s becomes c * tanh(s / c) right after its dot product, before
 // masking, max and exp; 0 means none, checked once per row of a tile, never per score.
+// Quantized cache (kv_scales given): kv_blocks int8 or float8_e4m3fn, kv_scales float32 laid out
+// like kv_blocks with the last dim D / group. A stored row gets, per group of `group` elements,
+// scale = max|x| / QMAX and x * (1 / scale) rounded (int8: to nearest even, clamped to +-127;
+// fp8: clamped to +-448, then converted), as kvgraph/cache/quant.py. Reads dequantize each K/V
+// row into the tile buffer the bf16/fp16 path converts into (x = q * scale, in fp32), so no fp32
+// copy of the context is ever made.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -31,6 +37,7 @@
 #include <immintrin.h>
 #endif
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -56,6 +63,70 @@ constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
 
 template <typename scalar_t>
 using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+template <typename T>
+constexpr float kQMax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
+
+// float of every float8_e4m3fn bit pattern: dequantizing is one table load per element.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// dst[0:D] = src * scale per group of `group` elements (a quantized row, dequantized in fp32).
+template <typename cache_t, typename A>
+inline void dequantize_row(const cache_t* src, const float* scales, int64_t group, int64_t D, A* dst) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    for (int64_t g0 = 0; g0 < D; g0 += group) {
+      const float s = scales[g0 / group];
+      int64_t j = g0;
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<A, float>) {
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; j + 8 <= g0 + group; j += 8) {  // 8 int8 -> 8 int32 -> 8 float, times the scale
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j));
+          _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vs));
+        }
+      }
+#endif
+      for (; j < g0 + group; ++j) dst[j] = static_cast<A>(static_cast<float>(src[j]) * s);
+    }
+  } else {
+    const float* table = fp8_table();
+    for (int64_t g0 = 0; g0 < D; g0 += group) {
+      const float s = scales[g0 / group];
+      for (int64_t j = g0; j < g0 + group; ++j) dst[j] = static_cast<A>(table[src[j].x] * s);
+    }
+  }
+}
+
+// dst[0:D], scales[0:D / group] = x quantized per group (see the top of this file).
+template <typename scalar_t, typename cache_t>
+inline void quantize_row(const scalar_t* x, int64_t group, int64_t D, cache_t* dst, float* scales) {
+  constexpr float qmax = kQMax<cache_t>;
+  for (int64_t g0 = 0; g0 < D; g0 += group) {
+    float amax = 0.0f;
+    for (int64_t j = g0; j < g0 + group; ++j) amax = std::max(amax, std::abs(static_cast<float>(x[j])));
+    const float scale = amax / qmax;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    scales[g0 / group] = scale;
+    for (int64_t j = g0; j < g0 + group; ++j) {
+      float y = static_cast<float>(x[j]) * inv;
+      if constexpr (std::is_same_v<cache_t, int8_t>) y = std::nearbyint(y);
+      y = std::min(qmax, std::max(-qmax, y));
+      dst[j] = static_cast<cache_t>(y);
+    }
+  }
+}
 
 // First position the token at position p sees (p - window + 1 does not overflow: p >= 0).
 inline int64_t window_start(int64_t p, int64_t window) { return std::max<int64_t>(0, p - window + 1); }
@@ -90,6 +161,19 @@ struct Geometry {
 
   // First position past the page holding pos (continuous: one page of max_seq_len rows).
   int64_t page_end(int64_t pos) const { return (pos / rows_per_page + 1) * rows_per_page; }
+};
+
+// Where a quantized cache's scales live: kv_scales' geometry (its d is the scales per head) and the
+// elements per scale; data is null for an unquantized cache.
+struct ScaleView {
+  float* data;
+  Geometry g;
+  int64_t group;
+
+  // Scales of row (sequence b, position pos, kv, layer, head h).
+  float* row(const int32_t* lut, int64_t b, int64_t pos, int64_t kv, int64_t layer, int64_t h) const {
+    return data + g.offset(lut, b, pos, kv, layer) + h * g.d;
+  }
 };
 
 std::string format_list(const int32_t* xs, int64_t n) {
@@ -150,8 +234,9 @@ void check_values(const Geometry& g, const int32_t* offs, const int32_t* cl, con
 }
 
 // -- store: token t of sequence b goes to position cache_lengths[b] + (t - offsets[b]) --
-template <typename scalar_t>
-void store_new_tokens(const at::Tensor& x, int64_t kv, scalar_t* blocks, const Geometry& g,
+//    (a quantized cache: each head's row quantized, its scales beside it)
+template <typename scalar_t, typename cache_t>
+void store_new_tokens(const at::Tensor& x, int64_t kv, cache_t* blocks, const Geometry& g, const ScaleView& sv,
                       const std::vector<int32_t>& seq_of_token, const int32_t* offs,
                       const int32_t* cl, const int32_t* lut, int64_t layer) {
   const scalar_t* src = x.const_data_ptr<scalar_t>();
@@ -160,9 +245,13 @@ void store_new_tokens(const at::Tensor& x, int64_t kv, scalar_t* blocks, const G
     for (int64_t t = begin; t < end; ++t) {
       int64_t b = seq_of_token[t];
       int64_t pos = int64_t{cl[b]} + t - offs[b];
-      scalar_t* dst = blocks + g.offset(lut, b, pos, kv, layer);
+      cache_t* dst = blocks + g.offset(lut, b, pos, kv, layer);
       for (int64_t h = 0; h < g.hkv; ++h) {
-        std::copy_n(src + t * st + h * sh, g.d, dst + h * g.d);
+        if constexpr (kQuantized<cache_t>) {
+          quantize_row(src + t * st + h * sh, sv.group, g.d, dst + h * g.d, sv.row(lut, b, pos, kv, layer, h));
+        } else {
+          std::copy_n(src + t * st + h * sh, g.d, dst + h * g.d);
+        }
       }
     }
   });
@@ -321,11 +410,11 @@ struct WorkItem {
 // Softmax in two passes over the whole context (every score first, then one max and one exp pass,
 // then V), so nothing is rescaled per tile: a decode step's per-tile work is just the dot products
 // and the V accumulation.
-template <typename scalar_t, typename A>
+template <typename cache_t, typename A>
 void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& scores, A* kf, A* vf,
-                      const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b,
-                      int64_t h, int64_t layer, int64_t kv_begin, int64_t kv_end, A softcap) {
-  constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
+                      const cache_t* blocks, const Geometry& g, const ScaleView& sv, const int32_t* lut,
+                      int64_t b, int64_t h, int64_t layer, int64_t kv_begin, int64_t kv_end, A softcap) {
+  constexpr bool kConvert = !std::is_same_v<cache_t, A>;
   const int64_t D = g.d, n_ctx = kv_end - kv_begin;
   if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
   // runs of consecutive positions in one page (at most kKeyTile when converting into kf / vf)
@@ -333,8 +422,15 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     return std::min({kv_end, g.page_end(pos), kConvert ? pos + kKeyTile : kv_end});
   };
   auto rows_of = [&](int64_t pos, int64_t n, int64_t kv, A* buf, int64_t& ld) -> const A* {
-    const scalar_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
-    if constexpr (kConvert) {
+    const cache_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
+    if constexpr (kQuantized<cache_t>) {
+      const float* sc = sv.row(lut, b, pos, kv, layer, h);
+      for (int64_t j = 0; j < n; ++j) {
+        dequantize_row(src + j * g.stride_slot, sc + j * sv.g.stride_slot, sv.group, D, buf + j * D);
+      }
+      ld = D;
+      return buf;
+    } else if constexpr (kConvert) {
       for (int64_t j = 0; j < n; ++j) at::vec::convert(src + j * g.stride_slot, buf + j * D, D);
       ld = D;
       return buf;
@@ -372,17 +468,18 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
 // Several new tokens: rows are (token s0 + r / G, query head of the group). Flash-style online
 // softmax over tiles of up to kKeyTile keys of [kv_begin, kv_end); a row skips the tiles past its
 // causal limit or before its window, and masks the keys before its window in the tile across it.
-template <typename scalar_t, typename A>
+template <typename cache_t, typename A>
 void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* scores, A* kf, A* vf,
-                  const scalar_t* blocks, const Geometry& g, const int32_t* lut, int64_t b, int64_t h,
-                  int64_t layer, int64_t cached, int64_t s0, int64_t kv_begin, int64_t kv_end,
+                  const cache_t* blocks, const Geometry& g, const ScaleView& sv, const int32_t* lut, int64_t b,
+                  int64_t h, int64_t layer, int64_t cached, int64_t s0, int64_t kv_begin, int64_t kv_end,
                   int64_t window, A softcap) {
-  constexpr bool kConvert = !std::is_same_v<scalar_t, A>;
+  constexpr bool kConvert = !std::is_same_v<cache_t, A>;
   const int64_t D = g.d;
   for (int64_t pos = kv_begin; pos < kv_end;) {
     // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
     //    the item has few rows or the page is long; otherwise the tile is gathered page by page
-    //    (and converted from bf16/fp16) into a contiguous buffer, so per-tile work is amortized --
+    //    (and converted from bf16/fp16, or dequantized) into a contiguous buffer, so per-tile work
+    //    is amortized --
     const bool in_place = !kConvert && (rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
     const int64_t n = std::min({kv_end, pos + kKeyTile, in_place ? g.page_end(pos) : kv_end}) - pos;
     const A* kt;
@@ -395,11 +492,20 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
     } else {
       for (int64_t j = 0; j < n;) {
         const int64_t run = std::min(n, g.page_end(pos + j) - pos) - j;  // rows left in this page
-        const scalar_t* k_row = blocks + g.offset(lut, b, pos + j, 0, layer) + h * D;
-        const scalar_t* v_row = blocks + g.offset(lut, b, pos + j, 1, layer) + h * D;
-        for (int64_t i = 0; i < run; ++i, ++j) {
-          at::vec::convert(k_row + i * g.stride_slot, kf + j * D, D);
-          at::vec::convert(v_row + i * g.stride_slot, vf + j * D, D);
+        const cache_t* k_row = blocks + g.offset(lut, b, pos + j, 0, layer) + h * D;
+        const cache_t* v_row = blocks + g.offset(lut, b, pos + j, 1, layer) + h * D;
+        if constexpr (kQuantized<cache_t>) {
+          const float* k_sc = sv.row(lut, b, pos + j, 0, layer, h);
+          const float* v_sc = sv.row(lut, b, pos + j, 1, layer, h);
+          for (int64_t i = 0; i < run; ++i, ++j) {
+            dequantize_row(k_row + i * g.stride_slot, k_sc + i * sv.g.stride_slot, sv.group, D, kf + j * D);
+            dequantize_row(v_row + i * g.stride_slot, v_sc + i * sv.g.stride_slot, sv.group, D, vf + j * D);
+          }
+        } else {
+          for (int64_t i = 0; i < run; ++i, ++j) {
+            at::vec::convert(k_row + i * g.stride_slot, kf + j * D, D);
+            at::vec::convert(v_row + i * g.stride_slot, vf + j * D, D);
+          }
         }
       }
       kt = kf, vt = vf, ld = D;
@@ -431,8 +537,8 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
 }
 
 // -- attend: rows (s, g) of kv head h over positions [window_start(p), p], p = cache_lengths[b] + s --
-template <typename scalar_t>
-void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const Geometry& g,
+template <typename scalar_t, typename cache_t>
+void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const Geometry& g, const ScaleView& sv,
             const std::vector<WorkItem>& items, const int32_t* offs, const int32_t* cl,
             const int32_t* lut, int64_t layer, double scale, int64_t window, double softcap) {
   using A = acc_t<scalar_t>;
@@ -484,10 +590,10 @@ void attend(const at::Tensor& q, at::Tensor& out, const scalar_t* blocks, const 
       const int64_t kv_begin = window_start(cached + item.s0, window), kv_end = cached + item.s1;
       if (item.s1 - item.s0 == 1) {
         attend_one_token(qf.data(), rows, acc.data(), l.data(), context_scores, kf.data(), vf.data(), blocks, g,
-                         lut, b, h, layer, kv_begin, kv_end, static_cast<A>(softcap));
+                         sv, lut, b, h, layer, kv_begin, kv_end, static_cast<A>(softcap));
       } else {
         attend_block(qf.data(), rows, G, acc.data(), m.data(), l.data(), scores.data(), kf.data(), vf.data(),
-                     blocks, g, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window,
+                     blocks, g, sv, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window,
                      static_cast<A>(softcap));
       }
       // -- write out: every row saw at least its own token, so l > 0 --
@@ -506,7 +612,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             const at::Tensor& lookup_table, const at::Tensor& input_row_offsets,
                             const at::Tensor& max_lengths, int64_t layer_idx,
                             std::optional<double> scale, std::optional<int64_t> sliding_window,
-                            std::optional<double> softcap) {
+                            std::optional<double> softcap, const std::optional<at::Tensor>& kv_scales) {
   // shapes, dtypes and devices are checked by the caller (kvgraph.ops.checks.check_inputs)
   TORCH_CHECK_VALUE(!sliding_window.has_value() || *sliding_window >= 1,
                     "sliding_window must be a positive int (keys seen, itself included) or None, got ",
@@ -515,6 +621,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
                     "softcap must be a finite positive float or None, got ", *softcap);
   TORCH_CHECK_VALUE(kv_blocks.is_contiguous(), "kv_blocks must be contiguous, got strides ",
                     kv_blocks.strides());
+  TORCH_CHECK_VALUE(!kv_scales.has_value() || kv_scales->is_contiguous(), "kv_scales must be contiguous");
   auto rows_contiguous = [](const at::Tensor& x) { return x.stride(2) == 1 ? x : x.contiguous(); };
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const at::Tensor offs_t = input_row_offsets.contiguous(), cl_t = cache_lengths.contiguous(),
@@ -536,12 +643,26 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   }
   at::Tensor out = at::empty({T, q.size(1), D}, q.options());
   const double softmax_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const ScaleView sv = kv_scales.has_value()
+                           ? ScaleView{kv_scales->mutable_data_ptr<float>(), Geometry(*kv_scales, lut_t),
+                                       D / kv_scales->size(5)}
+                           : ScaleView{nullptr, g, D};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kvgraph_ragged_attention", [&] {
-    scalar_t* blocks = kv_blocks.mutable_data_ptr<scalar_t>();
-    store_new_tokens(k, 0, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
-    store_new_tokens(v, 1, blocks, g, seq_of_token, offs, cl, lut, layer_idx);
-    attend(q, out, blocks, g, items, offs, cl, lut, layer_idx, softmax_scale,
-           sliding_window.value_or(kNoWindow), softcap.value_or(0.0));
+    auto run = [&](auto* blocks) {
+      store_new_tokens<scalar_t>(k, 0, blocks, g, sv, seq_of_token, offs, cl, lut, layer_idx);
+      store_new_tokens<scalar_t>(v, 1, blocks, g, sv, seq_of_token, offs, cl, lut, layer_idx);
+      attend<scalar_t>(q, out, blocks, g, sv, items, offs, cl, lut, layer_idx, softmax_scale,
+                       sliding_window.value_or(kNoWindow), softcap.value_or(0.0));
+    };
+    if (!kv_scales.has_value()) {
+      run(kv_blocks.mutable_data_ptr<scalar_t>());
+    } else if (kv_blocks.scalar_type() == at::kChar) {
+      run(kv_blocks.mutable_data_ptr<int8_t>());
+    } else {
+      TORCH_CHECK_VALUE(kv_blocks.scalar_type() == at::kFloat8_e4m3fn,
+                        "a quantized kv_blocks must be int8 or float8_e4m3fn, got ", kv_blocks.scalar_type());
+      run(kv_blocks.mutable_data_ptr<c10::Float8_e4m3fn>());
+    }
   });
   return out;
 }

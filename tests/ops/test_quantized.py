@@ -1,0 +1,164 @@
+"""The op over a quantized cache (int8 / float8_e4m3fn K/V, float32 scales per group): the C++ kernel
+and the SDPA path against the float64 golden of the dequantized cache, the bytes they store against
+the reference's, and the arguments they refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraph.cache.quant import dequantize, quantize
+from kvgraph.errors import CacheInputError
+from kvgraph.ops import attention, cpp, cpu, reference
+from kvgraph.ops.reference import naive_attention_fp64
+from tests.naming import raises_naming
+
+IMPLS = {"cpp": cpp.ragged_attention, "sdpa": cpu.ragged_attention}
+STORAGE = [torch.int8, torch.float8_e4m3fn]
+
+
+@pytest.fixture(params=list(IMPLS))
+def impl(request):
+    """One CPU implementation of the op (same arguments)."""
+    return IMPLS[request.param]
+
+
+@pytest.fixture(params=STORAGE, ids=["int8", "fp8"])
+def storage(request) -> torch.dtype:
+    return request.param
+
+
+class QuantizedCase:
+    """A ``KVCase`` with its cache quantized: ``kv_blocks`` 8-bit, ``kv_scales`` beside them, and the
+    golden's histories and new K/V replaced by what the cache holds (dequantized)."""
+
+    def __init__(self, case, storage: torch.dtype, group: int) -> None:
+        self.case = case
+        self.group = group
+        blocks, self.kv_scales = quantize(case.kv_blocks, storage, group)
+        self.kv_blocks = blocks
+
+        def held(x: torch.Tensor) -> torch.Tensor:
+            return dequantize(*quantize(x, storage, group), torch.float64)
+
+        self.k_cached = [held(k) for k in case.k_cached]
+        self.v_cached = [held(v) for v in case.v_cached]
+        self.k_new, self.v_new = held(case.k), held(case.v)
+
+    def args(self) -> tuple:
+        """The op's arguments (a fresh copy of the cache) with ``scale``, ``sliding_window``, ``softcap`` unset."""
+        return (*self.case.args()[:3], self.kv_blocks.clone(), *self.case.args()[4:])
+
+    def run(self, fn, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(out, blocks, scales)`` of ``fn`` on a copy of the cache."""
+        args, scales = self.args(), self.kv_scales.clone()
+        return fn(*args, **kwargs, kv_scales=scales), args[3], scales
+
+    def golden(self, **kwargs) -> torch.Tensor:
+        c = self.case
+        return naive_attention_fp64(c.q, self.k_new, self.v_new, self.k_cached, self.v_cached,
+                                    c.input_row_offsets, **kwargs)
+
+
+def check(impl, qcase: QuantizedCase, check_against_golden, **kwargs) -> None:
+    out, blocks, scales = qcase.run(impl, **kwargs)
+    ref, ref_blocks, ref_scales = qcase.run(reference.ragged_attention, **kwargs)
+    assert out.dtype == qcase.case.q.dtype
+    check_against_golden(out, qcase.golden(**kwargs), ref)
+    assert torch.equal(blocks.view(torch.uint8), ref_blocks.view(torch.uint8))  # the same bytes stored
+    assert torch.equal(scales, ref_scales)
+
+
+def test_matches_the_golden_of_the_dequantized_cache(impl, storage, make_kv_case, check_against_golden,
+                                                     ragged_lengths, cache_page_size):
+    case = make_kv_case(ragged_lengths, page_size=cache_page_size, head_dim=32)
+    check(impl, QuantizedCase(case, storage, 16), check_against_golden)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("group", [8, 32])
+def test_gqa_and_groups(impl, storage, make_kv_case, check_against_golden, n_heads, n_kv_heads, group):
+    case = make_kv_case([(20, 1), (0, 17), (33, 9)], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=32)
+    check(impl, QuantizedCase(case, storage, group), check_against_golden)
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("page_size", [1, 16, None], ids=["page1", "page16", "continuous"])
+def test_sliding_window_and_softcap(impl, storage, make_kv_case, check_against_golden, window, softcap, page_size):
+    case = make_kv_case([(40, 1), (0, 33), (19, 18)], page_size=page_size, head_dim=32)
+    check(impl, QuantizedCase(case, storage, 16), check_against_golden, sliding_window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_model_dtypes(impl, make_kv_case, check_against_golden, dtype):
+    case = make_kv_case([(20, 1), (0, 17), (7, 9)], dtype=dtype, head_dim=32)
+    check(impl, QuantizedCase(case, torch.int8, 16), check_against_golden)
+
+
+def test_cpp_kernel_reads_the_cache_of_a_long_decode(storage, make_kv_case, check_against_golden):
+    case = make_kv_case([(300, 1), (129, 1), (64, 1)], page_size=16, head_dim=64, n_heads=8, n_kv_heads=2)
+    check(cpp.ragged_attention, QuantizedCase(case, storage, 64), check_against_golden)
+
+
+def test_a_quantized_cache_is_close_to_the_float_one(make_kv_case):
+    """What quantization costs: the op over the int8 cache stays near the op over the float32 cache."""
+    case = make_kv_case([(64, 1), (0, 17)], head_dim=64)
+    full = reference.ragged_attention(*case.clone().args())
+    out, _, _ = QuantizedCase(case, torch.int8, 64).run(cpp.ragged_attention)
+    assert 0 < (out - full).abs().max().item() < 0.05
+
+
+def test_int8_blocks_without_scales_are_refused(make_kv_case):
+    qcase = QuantizedCase(make_kv_case([(3, 2)]), torch.int8, 16)
+    with raises_naming(CacheInputError, "kv_blocks dtype torch.int8", "kv_scales"):
+        torch.ops.kvgraph.ragged_attention(*qcase.args())
+
+
+def test_scales_with_float_blocks_are_refused(make_kv_case):
+    case = make_kv_case([(3, 2)])
+    scales = torch.ones(*case.kv_blocks.shape[:5], 1)
+    with raises_naming(CacheInputError, "kv_scales", "8-bit", "torch.float32"):
+        torch.ops.kvgraph.ragged_attention(*case.args(), kv_scales=scales)
+
+
+@pytest.mark.parametrize("last, dtype, fragments", [
+    (3, torch.float32, ("3 scales per row", "head_dim 16")),
+    (2, torch.float16, ("kv_scales dtype torch.float16", "torch.float32")),
+])
+def test_scales_that_do_not_fit_are_refused_before_writing(make_kv_case, last, dtype, fragments):
+    qcase = QuantizedCase(make_kv_case([(3, 2)]), torch.int8, 16)
+    args = qcase.args()
+    before = args[3].clone()
+    scales = torch.ones(*args[3].shape[:5], last, dtype=dtype)
+    with raises_naming(CacheInputError, *fragments):
+        torch.ops.kvgraph.ragged_attention(*args, kv_scales=scales)
+    assert torch.equal(args[3], before)
+
+
+def test_scales_of_another_shape_are_refused(make_kv_case):
+    qcase = QuantizedCase(make_kv_case([(3, 2)]), torch.int8, 16)
+    scales = qcase.kv_scales[:-1].clone()
+    with raises_naming(CacheInputError, "kv_scales shape", str(tuple(scales.shape))):
+        torch.ops.kvgraph.ragged_attention(*qcase.args(), kv_scales=scales)
+
+
+def test_a_device_without_a_quantized_kernel_is_refused():
+    with raises_naming(CacheInputError, "cuda", "['cpu']", "Triton"):
+        attention.check_quantized_device(torch.device("cuda"))
+    attention.check_quantized_device(torch.device("cpu"))
+
+
+def test_the_op_under_torch_compile_writes_blocks_and_scales(make_kv_case):
+    qcase = QuantizedCase(make_kv_case([(20, 1), (0, 17)]), torch.int8, 16)
+    expected, ref_blocks, ref_scales = qcase.run(reference.ragged_attention)
+
+    def step(*args, kv_scales):
+        return torch.ops.kvgraph.ragged_attention(*args, kv_scales=kv_scales) * 2
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    args, scales = qcase.args(), qcase.kv_scales.clone()
+    out = compiled(*args, kv_scales=scales)
+    torch.testing.assert_close(out, expected * 2)
+    assert torch.equal(args[3], ref_blocks) and torch.equal(scales, ref_scales)
+
