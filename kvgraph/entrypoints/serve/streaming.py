@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from kvgraph.engine import TokenEvent
-from kvgraph.entrypoints.serve.async_engine import RequestHandle
 from kvgraph.entrypoints.serve.errors import error_body
 from kvgraph.entrypoints.serve.stop import StopStrings
+from kvgraph.entrypoints.serve.streams import RequestHandle
 from kvgraph.errors import EngineFailure
 
 
