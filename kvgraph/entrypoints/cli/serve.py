@@ -11,6 +11,7 @@ from kvgraph.entrypoints.cli.common import (
     add_engine_args,
     add_model_args,
     build_llm,
+    engine_config,
     non_negative_float,
 )
 from kvgraph.errors import require_extra
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvgraph.serve")
     start = time.perf_counter()
     if args.frontend_process:
+        engine_config(args, progress=True)  # the flags, checked before the engine process starts
         engine = EngineClient.launch(functools.partial(warm_llm, args))
         note = f"{engine.startup_note}; engine process {engine.pid}"
     else:
