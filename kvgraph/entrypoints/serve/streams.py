@@ -181,13 +181,32 @@ class RequestHandle:
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         """The request's tokens as they come; the last one has a ``finish_reason``. Raises
         ``EngineFailure`` if the engine aborted the request."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """The request's tokens as they come, each batch every token that had come when it was
+        taken: a reader that falls behind the engine catches up by a batch per step, not a token.
+        A failure is raised once the tokens before it were handed out."""
         while not self.finished:
             item, self._head = (self._head, None) if self._head is not None else (await self.stream.queue.get(), None)
-            if isinstance(item, EngineFailure):
-                self.finished = True
-                raise item
-            self.finished = item.finish_reason is not None
-            yield item
+            batch: list[TokenEvent] = []
+            while True:
+                if isinstance(item, EngineFailure):
+                    if batch:  # raised on the next call
+                        self._head = item
+                        break
+                    self.finished = True
+                    raise item
+                batch.append(item)
+                if item.finish_reason is not None:
+                    self.finished = True
+                    break
+                if self.stream.queue.empty():
+                    break
+                item = self.stream.queue.get_nowait()
+            yield batch
 
     def abort(self, reason: str = "abort") -> None:
         """Stop the request (no-op once finished); returns at once, the pages are freed before the
