@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import time
 
 from kvgraph.entrypoints.cli.common import (
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.frontend_process:
         engine_config(args, progress=True)  # the flags, checked before the engine process starts
+        if args.threads is None and args.tensor_parallel_size == 1:
+            args.threads = engine_threads()
         engine = EngineClient.launch(functools.partial(warm_llm, args))
         note = f"{engine.startup_note}; engine process {engine.pid}"
     else:
@@ -68,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
     startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
     return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
+
+
+def engine_threads() -> int:
+    """The engine process's kernel threads without ``--threads``: one per core but one, left to the
+    HTTP front end (as vLLM's CPU backend reserves one). An OpenMP region ends with its slowest
+    thread, so a kernel thread that shares its core with the busy front end stalls every layer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def warm_llm(args: argparse.Namespace):
