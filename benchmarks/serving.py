@@ -5,12 +5,15 @@ in-process engine on the same workload.
 
 First the workload runs through ``kvgraph.LLM`` in this process (compiled and warmed up, one
 ``generate`` call with all prompts: the engine's own throughput), ``--repeats`` times. Then the same engine settings
-run as ``kvgraph serve`` in a subprocess, and ``--concurrency`` asyncio clients (``httpx2``, the
+run as ``kvgraph serve`` in a subprocess, once per ``--servers`` kind: ``process`` (the default
+server: the engine in its own process) and ``thread`` (``--no-frontend-process``: the engine in a
+thread of the HTTP server's process). ``--concurrency`` asyncio clients (``httpx2``, the
 ``openai`` package's HTTP client) send the prompts as streamed ``/v1/completions`` requests,
-timing each chunk, ``--repeats`` times. The fastest run of each side counts. Both sides run with
-prefix caching off, so no repeat is served by the pages an earlier one cached. Greedy texts must equal the engine's before any figure is printed. Reports
-requests/s, tokens/s, time to first token and inter-token latency percentiles, and
-``http_vs_engine`` (server tokens/s ÷ engine tokens/s; the issue's target: > 0.9 at 32 streams).
+timing each chunk, ``--repeats`` times. The fastest run of each side counts. Every side runs with
+prefix caching off, so no repeat is served by the pages an earlier one cached. Greedy texts must
+equal the engine's before any figure is printed. Reports, per server kind, requests/s, tokens/s,
+time to first token and inter-token latency percentiles, and ``http_vs_engine`` (server tokens/s ÷
+engine tokens/s; the target: >= 0.9 at 32 streams); and ``process_vs_thread``.
 
 The clients run on the same host as the server and take CPU from it (``client_cpu_s``); on a
 2-core host that is a large share. ``--threads N`` runs both sides' kernels on ``N`` threads.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -94,6 +98,49 @@ async def load(url: str, model: str, prompts: list[list[int]], max_new_tokens: i
         return results, time.perf_counter() - start
 
 
+SERVER_FLAGS = {"process": [], "thread": ["--no-frontend-process"]}
+
+
+def server_run(args, kind: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """``--repeats`` loads of ``kvgraph serve`` with the engine in a process or a thread (``kind``):
+    the fastest run's results, its seconds and the CPU seconds the clients took, and the exit status."""
+    flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
+             "--max-seq-len", str(args.max_seq_len), "--no-prefix-caching", *SERVER_FLAGS[kind]]
+    flags += ["--threads", str(args.threads)] if args.threads else []
+    server = ServerProcess(*flags)
+    try:
+        url = server.wait_ready()
+        log(f"server ({kind}) at {url}: {args.concurrency} concurrent streams")
+        runs = []
+        for _ in range(args.repeats):
+            cpu = time.process_time()
+            results, elapsed = asyncio.run(load(url, args.model, prompts, max_new_tokens, args.concurrency))
+            runs.append((results, elapsed, time.process_time() - cpu))
+        results, elapsed, client_cpu = min(runs, key=lambda run: run[1])
+        exit_status = server.stop()
+    finally:
+        server.kill()
+    return {"results": results, "elapsed_s": elapsed, "client_cpu_s": client_cpu, "exit_status": exit_status}
+
+
+def server_report(run: dict, engine_texts: list[str], engine_tps: float) -> dict:
+    results, elapsed = run["results"], run["elapsed_s"]
+    mismatched = sum(r["text"] != t for r, t in zip(results, engine_texts, strict=True))
+    if mismatched:
+        raise SystemExit(f"{mismatched} of {len(results)} greedy texts differ from the engine's")
+    tps = sum(r["tokens"] for r in results) / elapsed
+    return {
+        "elapsed_s": elapsed, "tokens_per_s": tps, "requests_per_s": len(results) / elapsed,
+        "ttft_s": percentiles([r["times"][0] - r["start"] for r in results if r["times"]]),
+        "itl_s": percentiles([b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]),
+        "exit_status_after_sigterm": run["exit_status"],
+        # the load generator shares this host's cores with the server: the CPU seconds it took
+        "client_cpu_s": run["client_cpu_s"],
+        "greedy_texts_equal": len(results),
+        "http_vs_engine": tps / engine_tps,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-tiny")
@@ -105,8 +152,15 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--compile", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--repeats", type=int, default=2, help="runs of each side; the fastest counts")
-    p.add_argument("--threads", type=int, help="torch threads of both sides (default: one per core)")
+    p.add_argument("--threads", type=int, help="torch threads of every side (default: one per core)")
+    p.add_argument("--servers", default="process,thread",
+                   help="server kinds to measure, comma-separated: process (the engine in its own process, "
+                   "the default server), thread (--no-frontend-process) (default: both)")
     args = p.parse_args()
+    kinds = args.servers.split(",")
+    unknown = [k for k in kinds if k not in SERVER_FLAGS]
+    if unknown:
+        p.error(f"--servers: unknown kind(s) {unknown}; choose from {list(SERVER_FLAGS)}")
 
     model, _ = load_preset(args.model)
     workload = make_workload(args.workload, num_requests=args.requests, vocab_size=model.config.vocab_size,
@@ -114,43 +168,19 @@ def main() -> None:
     prompts, new = workload.prompts, workload.max_new_tokens
     log(f"engine in process: {len(prompts)} requests x {new} new tokens")
     engine = engine_run(args, prompts, new)
-
-    flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
-             "--max-seq-len", str(args.max_seq_len), "--no-prefix-caching"] + (["--threads", str(args.threads)] if args.threads else [])
-    server = ServerProcess(*flags)
-    try:
-        url = server.wait_ready()
-        log(f"server at {url}: {args.concurrency} concurrent streams")
-        runs = []
-        for _ in range(args.repeats):
-            cpu = time.process_time()
-            results, elapsed = asyncio.run(load(url, args.model, prompts, new, args.concurrency))
-            runs.append((results, elapsed, time.process_time() - cpu))
-        results, elapsed, client_cpu = min(runs, key=lambda run: run[1])
-        exit_status = server.stop()
-    finally:
-        server.kill()
-
-    mismatched = sum(r["text"] != t for r, t in zip(results, engine["texts"], strict=True))
-    if mismatched:
-        raise SystemExit(f"{mismatched} of {len(results)} greedy texts differ from the engine's")
-    tokens = sum(r["tokens"] for r in results)
-    server_tps, engine_tps = tokens / elapsed, engine["tokens"] / engine["elapsed_s"]
+    engine_tps = engine["tokens"] / engine["elapsed_s"]
+    servers = {kind: server_report(server_run(args, kind, prompts, new), engine["texts"], engine_tps)
+               for kind in kinds}
     report = {
         "model": args.model, "workload": args.workload, "requests": len(prompts), "max_new_tokens": new,
-        "concurrency": args.concurrency, "compile": args.compile, "threads": torch.get_num_threads(), "repeats": args.repeats, "greedy_texts_equal": len(results),
+        "concurrency": args.concurrency, "compile": args.compile, "threads": torch.get_num_threads(),
+        "repeats": args.repeats, "load_average": os.getloadavg(),
         "engine": {"elapsed_s": engine["elapsed_s"], "tokens_per_s": engine_tps},
-        "server": {
-            "elapsed_s": elapsed, "tokens_per_s": server_tps, "requests_per_s": len(results) / elapsed,
-            "ttft_s": percentiles([r["times"][0] - r["start"] for r in results if r["times"]]),
-            "itl_s": percentiles([b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]),
-            "exit_status_after_sigterm": exit_status,
-            # the load generator shares this host's cores with the server: the CPU seconds it took
-            "client_cpu_s": client_cpu,
-        },
-        "http_vs_engine": server_tps / engine_tps,
+        "servers": servers,
         "target_http_vs_engine_min": 0.9,
     }
+    if {"process", "thread"} <= servers.keys():
+        report["process_vs_thread"] = servers["process"]["tokens_per_s"] / servers["thread"]["tokens_per_s"]
     print(json.dumps(report, indent=2))
 
 

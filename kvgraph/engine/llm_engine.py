@@ -21,11 +21,9 @@ from kvgraph.engine.penalties import LogitsProcessor
 from kvgraph.engine.prompt_logprobs import record
 from kvgraph.engine.prompts import (
     Prompt,
+    RequestChecks,
     as_prompt_list,
     capacity_text,
-    check_fits,
-    check_sampling,
-    encode_prompt,
 )
 from kvgraph.engine.requests import (
     Completion,
@@ -148,11 +146,12 @@ class LLMEngine:
         a caller can tokenize and check while a step runs, then queue the ids."""
         return self._validate(prompt, sampling)[0]
 
+    def request_checks(self) -> RequestChecks:
+        """The checks ``add_request`` makes, apart from the engine (they pickle, with the tokenizer)."""
+        return RequestChecks.of(self.manager, self.tokenizer, self.vocab_size, self.max_seq_len)
+
     def _validate(self, prompt: Prompt, sampling: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        sampling = check_sampling(sampling, self.vocab_size)
-        ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
-        check_fits(self.manager, ids, sampling, self.max_seq_len)
-        return ids, sampling
+        return self.request_checks()(prompt, sampling)
 
     def _queue(self, ids: list[int], sampling: SamplingParams) -> int:
         request = EngineRequest(

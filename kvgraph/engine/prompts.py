@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.managers.paged import PagedKVCacheManager
@@ -62,18 +63,59 @@ def check_sampling(sampling: SamplingParams | None, vocab_size: int | None) -> S
     return sampling
 
 
-def check_fits(manager: KVCacheManager, ids: list[int], sampling: SamplingParams, max_seq_len: int) -> None:
-    """``OutOfPagesError`` if the request needs more pages than the whole pool, even running alone."""
-    if not isinstance(manager, PagedKVCacheManager):
-        return
-    # the last generated token is returned, never fed back: it takes no cache
-    tokens = min(len(ids) + sampling.max_new_tokens - 1, max_seq_len)
-    pages = -(-tokens // manager.page_size)
-    if pages > manager.total_pages:
-        raise OutOfPagesError(
-            f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens caches {tokens} tokens and "
-            f"needs {pages} pages; {capacity_text(manager)}"
-        )
+@dataclass(frozen=True)
+class RequestChecks:
+    """Every check ``add_request`` makes of a request before queueing it, from what does not change
+    once the engine is built: it needs neither the engine nor its lock, and it pickles (tokenizer
+    included), so another process can tokenize and check requests exactly as the engine would.
+
+    Attributes:
+        tokenizer: encodes text prompts (``None``: token ids only).
+        vocab_size: token ids must be in ``[0, vocab_size)`` (``None``: not checked).
+        max_seq_len: the longest context, prompt and generated tokens together.
+        page_size, total_pages: the paged pool's, which a request must fit running alone (``None``
+            for continuous slots, which hold any request up to ``max_seq_len``).
+        capacity: the cache's size in words, for the error.
+    """
+
+    tokenizer: object | None
+    vocab_size: int | None
+    max_seq_len: int
+    page_size: int | None
+    total_pages: int | None
+    capacity: str
+
+    @classmethod
+    def of(cls, manager: KVCacheManager, tokenizer: object | None, vocab_size: int | None,
+           max_seq_len: int) -> RequestChecks:
+        paged = isinstance(manager, PagedKVCacheManager)
+        return cls(tokenizer, vocab_size, max_seq_len, manager.page_size if paged else None,
+                   manager.total_pages if paged else None, capacity_text(manager))
+
+    def __call__(self, prompt: Prompt, sampling: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling (default ``SamplingParams()``), checked:
+        ``RequestError``, ``SequenceLengthError`` or ``OutOfPagesError`` naming the value and the limit."""
+        sampling = check_sampling(sampling, self.vocab_size)
+        ids = encode_prompt(prompt, self.tokenizer, self.vocab_size, self.max_seq_len)
+        self._check_fits(ids, sampling)
+        return ids, sampling
+
+    def encode(self, prompt: Prompt, sampling: SamplingParams | None = None) -> list[int]:
+        """The prompt's token ids after every check (``LLM.encode``)."""
+        return self(prompt, sampling)[0]
+
+    def _check_fits(self, ids: list[int], sampling: SamplingParams) -> None:
+        """``OutOfPagesError`` if the request needs more pages than the whole pool, even running alone."""
+        if self.page_size is None:
+            return
+        # the last generated token is returned, never fed back: it takes no cache
+        tokens = min(len(ids) + sampling.max_new_tokens - 1, self.max_seq_len)
+        pages = -(-tokens // self.page_size)
+        if pages > self.total_pages:
+            raise OutOfPagesError(
+                f"a request of {len(ids)} prompt + {sampling.max_new_tokens} new tokens caches {tokens} tokens and "
+                f"needs {pages} pages; {self.capacity}"
+            )
 
 
 def capacity_text(manager: KVCacheManager) -> str:

@@ -1,5 +1,7 @@
 """kvgraph.LLM end to end on the tiny Llama preset: greedy output equals the model's own eager greedy."""
 
+import pickle
+
 import pytest
 import torch
 
@@ -123,6 +125,20 @@ def test_requests_that_can_never_run_are_rejected_up_front(llm):
     with raises_naming(RequestError, "prompt token 259", "[0, 259)"):
         llm.generate([[3, 259]])
     assert _all_free(llm)  # nothing was queued, not even the good prompt
+
+
+def test_request_checks_apart_from_the_engine_refuse_what_it_refuses(llm):
+    """What ``kvgraph serve``'s front end checks requests with, in another process than the engine."""
+    checks = pickle.loads(pickle.dumps(llm.request_checks()))
+    with raises_naming(SequenceLengthError, "101 tokens", "max_seq_len=100"):
+        checks.encode([5] * 101)
+    with raises_naming(OutOfPagesError, "25 pages", "24 pages", "4 tokens"):
+        checks.encode([5] * 90, SamplingParams(max_new_tokens=8))
+    with raises_naming(RequestError, "stop token 300", "[0, 259)"):
+        checks.encode([5], SamplingParams(stop_token_ids=[300]))
+    assert checks.encode([5] * 90, SamplingParams(max_new_tokens=7)) == [5] * 90
+    assert checks.encode("Hello, kvgraph") == llm.encode("Hello, kvgraph")
+    assert _all_free(llm)
 
 
 def test_text_prompts_are_tokenized_and_detokenized(llm, llama, hf_greedy):

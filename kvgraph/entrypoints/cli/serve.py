@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import time
 
 from kvgraph.entrypoints.cli.common import (
     add_engine_args,
     add_model_args,
     build_llm,
+    engine_config,
     non_negative_float,
 )
 from kvgraph.errors import require_extra
@@ -40,20 +43,52 @@ def add_parser(subparsers) -> None:
     h.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="seconds in-flight requests may take to finish on shutdown before they are "
                    "aborted (default 30)")
+    h.add_argument("--no-frontend-process", dest="frontend_process", action="store_false",
+                   help="run the engine in a thread of the HTTP server's process (default: the engine "
+                   "runs in its own process, so the HTTP layer never takes its GIL)")
     add_engine_args(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "kvgraph serve", "fastapi", "uvicorn", "prometheus_client")
+    from kvgraph.entrypoints.serve.async_engine import AsyncEngine
+    from kvgraph.entrypoints.serve.engine_client import EngineClient
     from kvgraph.entrypoints.serve.server import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     log = logging.getLogger("kvgraph.serve")
     start = time.perf_counter()
-    llm = build_llm(args)
-    log.info("compiling and warming up %s", args.model)
-    llm.warmup()
-    startup = f"started in {time.perf_counter() - start:.1f}s: {llm.startup_note()}"
+    if args.frontend_process:
+        engine_config(args, progress=True)  # the flags, checked before the engine process starts
+        if args.threads is None and args.tensor_parallel_size == 1:
+            args.threads = engine_threads()
+        engine = EngineClient.launch(functools.partial(warm_llm, args))
+        note = f"{engine.startup_note}; engine process {engine.pid}"
+    else:
+        llm = warm_llm(args)
+        engine, note = AsyncEngine(llm), llm.startup_note()
+    startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
-    return serve(llm, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
+    return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
+
+
+def engine_threads() -> int:
+    """The engine process's kernel threads without ``--threads``: one per core but one, left to the
+    HTTP front end (as vLLM's CPU backend reserves one). An OpenMP region ends with its slowest
+    thread, so a kernel thread that shares its core with the busy front end stalls every layer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def warm_llm(args: argparse.Namespace):
+    """The ``LLM`` of ``args``, compiled and warmed up (in the engine process, by default)."""
+    _configure_logging()
+    llm = build_llm(args)
+    logging.getLogger("kvgraph.serve").info("compiling and warming up %s", args.model)
+    llm.warmup()
+    return llm
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

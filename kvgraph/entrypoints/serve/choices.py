@@ -7,11 +7,11 @@ import asyncio
 from dataclasses import dataclass
 
 from kvgraph.engine.prompt_logprobs import PromptLogprob
-from kvgraph.entrypoints.llm import LLM
-from kvgraph.entrypoints.serve.async_engine import RequestHandle
+from kvgraph.engine.prompts import RequestChecks
 from kvgraph.entrypoints.serve.logprobs import LogprobsRenderer
 from kvgraph.entrypoints.serve.protocol import CompletionChoice, CompletionRequest
 from kvgraph.entrypoints.serve.streaming import Piece
+from kvgraph.entrypoints.serve.streams import RequestHandle
 
 
 def completion_choice(
@@ -66,13 +66,13 @@ class PromptEcho:
         return CompletionChoice(text=self.text, logprobs=shown, finish_reason=None if self.max_tokens else "length")
 
 
-async def prompt_echo(llm: LLM, body: CompletionRequest) -> PromptEcho:
+async def prompt_echo(checks: RequestChecks, body: CompletionRequest) -> PromptEcho:
     """The prompt's ids (checked as the engine checks them) and its text."""
-    ids = await asyncio.to_thread(llm.encode, body.prompt)
+    ids = await asyncio.to_thread(checks.encode, body.prompt)
     if isinstance(body.prompt, str):
         text = body.prompt
     else:
-        text = "" if llm.tokenizer is None else await asyncio.to_thread(llm.tokenizer.decode, ids)
+        text = "" if checks.tokenizer is None else await asyncio.to_thread(checks.tokenizer.decode, ids)
     return PromptEcho(ids, text, body.max_tokens)
 
 

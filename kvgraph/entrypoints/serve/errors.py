@@ -48,6 +48,10 @@ def engine_failure(message: str) -> APIError:
     return APIError(500, message, type="server_error")
 
 
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="engine_unavailable")
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line naming each bad field, what is wrong and the value given; and the first field."""
     parts, param = [], None

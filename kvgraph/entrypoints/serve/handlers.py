@@ -13,12 +13,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgraph.engine import SamplingParams
-from kvgraph.engine.prompts import Prompt, check_token_ids
-from kvgraph.entrypoints.llm import LLM
+from kvgraph.engine.prompts import Prompt, RequestChecks, check_token_ids
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.chat import chat_prompt
 from kvgraph.entrypoints.serve.choices import PromptEcho, best_first, completion_choice, prompt_echo
-from kvgraph.entrypoints.serve.errors import APIError, engine_failure, model_not_found
+from kvgraph.entrypoints.serve.engine_client import EngineClient
+from kvgraph.entrypoints.serve.errors import (
+    APIError,
+    engine_failure,
+    engine_unavailable,
+    model_not_found,
+)
 from kvgraph.entrypoints.serve.logprobs import LogprobsRenderer
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
 from kvgraph.entrypoints.serve.protocol import (
@@ -50,10 +55,11 @@ router = APIRouter()
 
 @dataclass
 class ServeState:
-    """What the handlers share: the engine, its metrics and the name it is served under."""
+    """What the handlers share: the engine, its request checks (and tokenizer), its metrics and the
+    name it is served under."""
 
-    llm: LLM
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient
+    checks: RequestChecks
     metrics: ServeMetrics
     model_name: str
 
@@ -66,25 +72,28 @@ State = Annotated[ServeState, Depends(_state)]
 
 
 @router.get("/health")
-async def health() -> JSONResponse:
-    """200 once the model is compiled and warm (the server only listens from then on)."""
+async def health(s: State) -> JSONResponse:
+    """200 once the model is compiled and warm (the server only listens from then on); 503 with an
+    error body once the engine process has died."""
+    if s.engine.exit_reason is not None:
+        raise engine_unavailable(s.engine.exit_reason)
     return JSONResponse({"status": "ok"})
 
 
 @router.get("/v1/models")
 async def models(s: State) -> ModelList:
-    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.llm.max_seq_len)])
+    return ModelList(data=[ModelCard(id=s.model_name, max_model_len=s.checks.max_seq_len)])
 
 
 @router.get("/metrics")
 async def metrics(s: State) -> Response:
-    body = await asyncio.to_thread(s.metrics.render)  # reads LLM.stats(), which waits for the step in flight
+    body = await asyncio.to_thread(s.metrics.render)  # LLM.stats() waits for the step in flight
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, s: State) -> Response | CompletionResponse:
-    echo = await prompt_echo(s.llm, body) if body.echo else None
+    echo = await prompt_echo(s.checks, body) if body.echo else None
     best_of = body.best_of or body.n
     # best_of > n ranks the samples by their tokens' log-probabilities: every sample reports them
     logprobs = body.logprobs if best_of == body.n else (body.logprobs or 0)
@@ -111,10 +120,10 @@ async def completions(body: CompletionRequest, s: State) -> Response | Completio
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, s: State) -> Response | ChatCompletionResponse:
-    prompt = chat_prompt(s.llm.tokenizer, body.messages)
+    prompt = chat_prompt(s.checks.tokenizer, body.messages)
 
     async def start(i: int) -> Generation:
-        return await _start(s, body, prompt, body.max_tokens or s.llm.max_seq_len, seed=_seed(body, i))
+        return await _start(s, body, prompt, body.max_tokens or s.checks.max_seq_len, seed=_seed(body, i))
 
     samples = await start_samples(body.n, start)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -141,14 +150,14 @@ async def tokenize(body: TokenizeRequest, s: State) -> TokenizeResponse:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add_special))
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=s.llm.max_seq_len, tokens=ids, token_strs=strs)
+    return TokenizeResponse(count=len(ids), max_model_len=s.checks.max_seq_len, tokens=ids, token_strs=strs)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, s: State) -> DetokenizeResponse:
     """vLLM's: token ids back to text (``RequestError``, a 400, for an id outside the vocabulary)."""
     tokenizer = _tokenizer(s, body.model)
-    check_token_ids(body.tokens, s.llm.vocab_size)
+    check_token_ids(body.tokens, s.checks.vocab_size)
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
 
@@ -183,14 +192,14 @@ def _check_model(s: ServeState, model: str | None) -> None:
 
 def _tokenizer(s: ServeState, model: str | None) -> object:
     _check_model(s, model)
-    if s.llm.tokenizer is None:
+    if s.checks.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it cannot tokenize or detokenize")
-    return s.llm.tokenizer
+    return s.checks.tokenizer
 
 
 def _renderer(s: ServeState, body: GenerationFields) -> LogprobsRenderer | None:
     """A sample's log-probabilities renderer, ``None`` when the request asked for none."""
-    return LogprobsRenderer(s.llm.tokenizer) if body.num_logprobs is not None else None
+    return LogprobsRenderer(s.checks.tokenizer) if body.num_logprobs is not None else None
 
 
 async def _wholes(samples: Samples) -> list[Piece]:

@@ -1,13 +1,14 @@
 """Prometheus metrics of the server, rendered in the text format for ``GET /metrics``.
 
 Engine figures (KV pages, requests running and waiting, prompt and prefix-hit tokens,
-preemptions, steps) are read from ``LLM.stats()`` at scrape time; latencies and generated
-tokens are recorded by the async engine as tokens are handed out.
+preemptions, steps) are read from ``LLM.stats()`` at scrape time (from the engine process, when
+the engine runs in one); latencies and generated tokens are recorded as tokens are handed to the
+requests. ``kvgraph_engine_pid`` is the process that runs the engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -32,9 +33,10 @@ COUNTERS = {
 class ServeMetrics:
     """The server's own registry: engine gauges and counters, token counts, latency histograms."""
 
-    def __init__(self, llm: object) -> None:
+    def __init__(self, stats: Callable[[], dict], engine_pid: int) -> None:
+        """``stats``: ``LLM.stats`` or what fetches it; ``engine_pid``: the engine's process."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(llm))
+        self.registry.register(_EngineCollector(stats, engine_pid))
         self.generated_tokens = Counter(
             "kvgraph_generated_tokens", "tokens generated and sent to clients", registry=self.registry
         )
@@ -61,11 +63,13 @@ class ServeMetrics:
 class _EngineCollector:
     """Reads ``LLM.stats()`` whenever the registry is collected."""
 
-    def __init__(self, llm: object) -> None:
-        self.llm = llm
+    def __init__(self, stats: Callable[[], dict], engine_pid: int) -> None:
+        self.stats, self.engine_pid = stats, engine_pid
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.llm.stats()
+        stats = self.stats()
+        yield GaugeMetricFamily("kvgraph_engine_pid", "the process id of the process that runs the engine",
+                                value=self.engine_pid)
         for name, (key, doc) in GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=stats[key])
         for name, (key, doc) in COUNTERS.items():

@@ -2,7 +2,9 @@
 
 On the first SIGTERM or SIGINT the server stops accepting connections, lets the requests in
 flight finish (for at most ``shutdown_timeout`` seconds, then aborts them, freeing their pages),
-stops the engine thread and returns; a second Ctrl-C quits at once.
+stops the engine (its process, or its thread) and returns 0; a second Ctrl-C quits at once. An
+engine process that dies stops the server the same way (its requests ended with error bodies),
+and ``serve`` returns 1.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.app import build_app
+from kvgraph.entrypoints.serve.async_engine import AsyncEngine
+from kvgraph.entrypoints.serve.engine_client import EngineClient
 
 log = logging.getLogger("kvgraph.serve")
 
@@ -38,6 +41,10 @@ class _Server(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def stop_soon(self) -> None:
+        """Begin the shutdown a signal begins (from any thread)."""
+        self.should_exit = True
+
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
@@ -46,14 +53,19 @@ class _Server(uvicorn.Server):
             log.info("ready: serving %s on http://%s:%d%s", self.config.app.state.serve.model_name, host, port, note)
 
 
-def serve(llm: LLM, model_name: str, host: str, port: int, shutdown_timeout: float, startup: str = "") -> int:
-    """Serve ``llm`` (compiled and warm) until SIGTERM or Ctrl-C; returns the exit status (0).
-    ``startup`` goes into the ready line (how long the start took, whether compiled graphs were reused)."""
-    app = build_app(llm, model_name)
+def serve(engine: AsyncEngine | EngineClient, model_name: str, host: str, port: int, shutdown_timeout: float,
+          startup: str = "") -> int:
+    """Serve ``engine`` (its model compiled and warm) until SIGTERM or Ctrl-C, or until its engine
+    process dies; returns the exit status (0; 1 if the engine process died). ``startup`` goes into
+    the ready line (how long the start took, whether compiled graphs were reused)."""
+    app = build_app(engine, model_name)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False,
         timeout_graceful_shutdown=shutdown_timeout,
     )
-    _Server(config, startup).run()
+    server = _Server(config, startup)
+    if isinstance(engine, EngineClient):
+        engine.on_exit = server.stop_soon
+    server.run()
     log.info("stopped")
-    return 0
+    return 0 if engine.exit_reason is None else 1

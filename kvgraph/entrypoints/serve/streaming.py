@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from kvgraph.engine import TokenEvent
-from kvgraph.entrypoints.serve.async_engine import RequestHandle
 from kvgraph.entrypoints.serve.errors import error_body
 from kvgraph.entrypoints.serve.stop import StopStrings
+from kvgraph.entrypoints.serve.streams import RequestHandle
 from kvgraph.errors import EngineFailure
 
 
@@ -38,20 +38,25 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The text as it comes, ending at the first stop string (``finish_reason="stop"``, the
-        request aborted there) or at the engine's finish reason. Leaving early aborts the request."""
+        request aborted there) or at the engine's finish reason. The tokens that came since the
+        last piece make one piece (one SSE chunk): a client that reads slower than the engine
+        steps gets fewer, longer chunks. Leaving early aborts the request."""
         events: list[TokenEvent] = []
         try:
-            async for event in self.handle:
-                self.num_tokens += 1
-                events.append(event)
-                text, stopped = self.stops.feed(event.text or "", armed=self.num_tokens > self.min_tokens)
-                if stopped:
-                    self.handle.abort("stop")
-                    yield Piece(text, "stop", events)
-                    return
-                if event.finish_reason is not None:
-                    yield Piece(text + self.stops.flush(), event.finish_reason, events)
-                    return
+            async for batch in self.handle.batches():
+                text = ""
+                for event in batch:
+                    self.num_tokens += 1
+                    events.append(event)
+                    new, stopped = self.stops.feed(event.text or "", armed=self.num_tokens > self.min_tokens)
+                    text += new
+                    if stopped:
+                        self.handle.abort("stop")
+                        yield Piece(text, "stop", events)
+                        return
+                    if event.finish_reason is not None:
+                        yield Piece(text + self.stops.flush(), event.finish_reason, events)
+                        return
                 if text:
                     yield Piece(text, events=events)
                     events = []

@@ -8,7 +8,6 @@ import torch
 from kvgraph.engine import SamplingParams
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine, EngineFailure
-from kvgraph.entrypoints.serve.metrics import ServeMetrics
 from kvgraph.presets import load_preset
 
 
@@ -17,7 +16,7 @@ def engine():
     model, tokenizer = load_preset("llama-tiny")
     llm = LLM(model, tokenizer=tokenizer, page_size=4, max_batch_size=2, max_seq_len=64, compile="eager",
               progress=False)
-    bridge = AsyncEngine(llm, ServeMetrics(llm))
+    bridge = AsyncEngine(llm)
     bridge.start()
     yield bridge
     bridge.stop()
