@@ -74,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def engine_threads() -> int:
-    """The engine process's kernel threads without ``--threads``: one per core but one, left to the
-    HTTP front end (as vLLM's CPU backend reserves one). An OpenMP region ends with its slowest
-    thread, so a kernel thread that shares its core with the busy front end stalls every layer."""
+    """The engine process's kernel threads without ``--threads``: one per core, but one core left
+    to the HTTP front end on a host of more than 2 (as vLLM's CPU backend reserves one). An OpenMP
+    region ends with its slowest thread, so a kernel thread sharing its core with a busy front end
+    stalls every layer; on 2 cores, though, halving the engine cost more on ``llama-56m`` (0.61 of
+    the in-process engine on 1 thread, 0.86 on 2: ``benchmarks/serving.py``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return cores - 1 if cores > 2 else cores
 
 
 def warm_llm(args: argparse.Namespace):
