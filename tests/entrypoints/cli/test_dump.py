@@ -45,7 +45,9 @@ def test_mlir_of_a_windowed_soft_capped_model_carries_both_per_layer():
     result = lower(graphs[0])
     calls = [line for line in mlir({"lowered": result.gm}).splitlines() if "torch.kvgraph.ragged_attention" in line]
     assert len(calls) == 2
-    args = [call[call.index("(") + 1: call.index(")")].split(", ")[-2:] for call in calls]
+    # the op's last three arguments: sliding_window, softcap, kv_scales (a float cache: none)
+    args = [call[call.index("(") + 1: call.index(")")].split(", ")[-3:] for call in calls]
     assert args[0][0].startswith("%int4") and args[1][0].startswith("%none")  # sliding_window
     assert all(a[1].startswith("%float5.000000e01") for a in args)  # softcap
+    assert all(a[2].startswith("%none") for a in args)  # kv_scales
     torch._dynamo.reset()
