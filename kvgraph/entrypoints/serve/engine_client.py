@@ -31,6 +31,7 @@ from kvgraph.entrypoints.serve.engine_process import engine_main
 from kvgraph.entrypoints.serve.metrics import ServeMetrics
 from kvgraph.entrypoints.serve.streams import RequestHandle, Stream, StreamTable
 from kvgraph.errors import EngineFailure
+from kvgraph.parallel.spawn import describe_exit
 
 log = logging.getLogger("kvgraph.serve")
 
@@ -83,7 +84,7 @@ class EngineClient:
             message = events_out.recv()
         except EOFError:
             process.join()
-            raise EngineFailure(f"the engine process exited ({_status(process.exitcode)}) before it was ready") from None
+            raise EngineFailure(f"the engine process {describe_exit(process.exitcode)} before it was ready") from None
         except BaseException:
             process.kill()
             process.join()
@@ -145,7 +146,7 @@ class EngineClient:
             log.warning("the engine process did not stop within %.0f s: killing it", timeout)
             self._process.kill()
             self._reader.join()
-        log.info("engine process %d exited (%s)", self.pid, _status(self._process.exitcode))
+        log.info("engine process %d %s", self.pid, describe_exit(self._process.exitcode))
 
     # -- threads --
     def _command(self, command: tuple) -> None:
@@ -188,7 +189,7 @@ class EngineClient:
             self._process.kill()
         self._process.join()
         if not self._stopping:
-            self.exit_reason = f"the engine process exited ({_status(self._process.exitcode)})"
+            self.exit_reason = f"the engine process {describe_exit(self._process.exitcode)}"
             log.error("%s; the server stops", self.exit_reason)
         message = self.exit_reason or "the server is shutting down"
         self._streams.fail(None, message)
@@ -198,14 +199,6 @@ class EngineClient:
                 future.set_exception(EngineFailure(message))
         if self.exit_reason is not None and self.on_exit is not None:
             self.on_exit()
-
-
-def _status(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "status unknown"
-    if exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"status {exitcode}"
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -79,7 +79,7 @@ def test_sigterm_drains_then_stops_both_processes(start_server):
     chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 100
-    assert any(f"engine process {engine_pid} exited (status 0)" in line for line in server.log), server.log[-10:]
+    assert any(f"engine process {engine_pid} exited with status 0" in line for line in server.log), server.log[-10:]
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)
 
@@ -104,9 +104,9 @@ def test_a_killed_engine_process_ends_the_requests_in_flight_with_error_bodies(s
     conn.close()
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][len("data: "):])["error"]
-    assert error["type"] == "server_error" and "engine process exited (killed by SIGKILL)" in error["message"]
+    assert error["type"] == "server_error" and "engine process was killed by SIGKILL" in error["message"]
     thread.join(120)
     code, body = whole["answer"]
     assert code == 500 and body["error"]["type"] == "server_error"
-    assert "engine process exited (killed by SIGKILL)" in body["error"]["message"]
+    assert "engine process was killed by SIGKILL" in body["error"]["message"]
     assert server.proc.wait(120) == 1  # the server stops on its own
