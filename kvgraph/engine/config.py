@@ -38,7 +38,9 @@ class EngineConfig:
         num_steps: decode steps run back to back for a batch of decodes.
         compile: one of ``COMPILE_MODES``.
         freeze_weights: compile the weights in as constants with prepacked linear layers (Inductor
-            only): faster, but later edits of the module's parameters are not seen.
+            only): faster, but later edits of the module's parameters are not guaranteed to be seen.
+        packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear``, the weight
+            packed once for MKL's GEMM (``kvgraph.ops.linear``); ``False``: Inductor's own.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
@@ -74,6 +76,7 @@ class EngineConfig:
     num_steps: int = 1
     compile: str = "inductor"
     freeze_weights: bool = True
+    packed_linears: bool = True
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     progress: bool = True
@@ -93,7 +96,7 @@ class EngineConfig:
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
-                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
+                    packed_linears=self.packed_linears, trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head)
         check_dtype(self.dtype)
         check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)

@@ -118,6 +118,6 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
     shown = CompileProgress(config.compile) if config.progress else None
     compiled = backend.compile(
         model, manager=manager, inner=config.compile, freeze_weights=config.freeze_weights,
-        dump=shown.dump if shown else None,
+        packed_linears=config.packed_linears, dump=shown.dump if shown else None,
     )
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))

@@ -101,6 +101,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-freeze-weights", action="store_true",
                    help="keep the weights as graph inputs instead of compiling them in as prepacked "
                    "constants (Inductor's freezing)")
+    g.add_argument("--no-packed-linears", action="store_true",
+                   help="leave float32 linear layers on the CPU to Inductor (oneDNN) instead of "
+                   "kvgraph::linear (MKL's packed GEMM)")
     g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
@@ -140,6 +143,7 @@ FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "cache_strategy": lambda args: args.cache,
     "enable_prefix_caching": lambda args: not args.no_prefix_caching,
     "freeze_weights": lambda args: not args.no_freeze_weights,
+    "packed_linears": lambda args: not args.no_packed_linears,
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
     "kv_cache_dtype": lambda args: KV_CACHE_DTYPES[args.kv_cache_dtype],
