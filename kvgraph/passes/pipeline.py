@@ -24,7 +24,14 @@ from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.cache.quant import KVCacheQuantizationConfig
 from kvgraph.cache.symbols import LOGIT_POSITIONS, RaggedKVCacheInputSymbols
 from kvgraph.errors import CacheInputError, LoweringError
-from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, packed_linears, prune_logits, verify
+from kvgraph.passes import (
+    add_kv_inputs,
+    find_attention,
+    lower_attention,
+    packed_linears,
+    prune_logits,
+    verify,
+)
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite, KnownWindows
 from kvgraph.passes.graph_view import copy_module
 from kvgraph.passes.log import log_pass, logger
