@@ -381,3 +381,13 @@ def test_stream_text_adds_up_and_breaking_out_frees_everything(llm):
         if event.prompt_index == 2:
             break
     assert _all_free(llm)
+
+
+@pytest.mark.parametrize("dtype, frozen", [(torch.float32, False), (torch.bfloat16, True)])
+def test_weights_are_frozen_unless_kvgraph_packs_every_linear(dtype, frozen):
+    from kvgraph.presets import load_preset
+
+    model, _ = load_preset("llama-tiny", seed=0)  # LLM casts the module in place
+    llm = LLM(model, page_size=8, max_batch_size=2, max_seq_len=32, compile="eager", dtype=dtype, progress=False)
+    assert llm.config.freeze_weights is None
+    assert llm.compiled.backend.options.freeze_weights is frozen
