@@ -1,10 +1,12 @@
-"""Two engine settings side by side in one process, runs alternating: frozen weights or not, and
-Dynamo guard evaluation skipped between steps or not.
+"""Engine settings side by side in one process, runs alternating: frozen weights or not, linear
+layers packed by kvgraph or left to Inductor, and Dynamo guard evaluation skipped between steps or not.
 
     python benchmarks/engine_ab.py --model llama-56m --workloads mixed,decode-heavy --repeats 3
 
 Engines: ``frozen`` (the default: ``freeze_weights=True``, guards skipped after each shape class's
-first call), ``unfrozen`` (``freeze_weights=False``), and ``all_guards`` (frozen, every guard
+first call), ``unfrozen`` (``freeze_weights=False``), ``inductor_linears`` (frozen, with
+``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``), and
+``all_guards`` (frozen, every guard
 evaluated at every call: ``ModelRunner.skip_guards = False``; it shares the ``frozen`` engine's
 compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
 and warmed up before timing (the compiled graphs are warm-up) and runs each workload once untimed
@@ -30,6 +32,11 @@ from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 
 NEW_TOKENS = {"mixed": None, "decode-heavy": 128}
+ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the frozen engine
+    "frozen": {"freeze_weights": True},
+    "unfrozen": {"freeze_weights": False},
+    "inductor_linears": {"freeze_weights": True, "packed_linears": False},
+}
 
 
 def main() -> None:
@@ -46,19 +53,17 @@ def main() -> None:
     variants = args.variants.split(",")
     engines = {}
     started = {}
-    for name in ("frozen", "unfrozen"):
+    for name, settings in ENGINES.items():
         if name in variants or (name == "frozen" and "all_guards" in variants):
             t = time.perf_counter()
-            engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024,
-                                freeze_weights=name == "frozen", progress=False,
-                                dtype=None if args.dtype is None else getattr(torch, args.dtype))
+            engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
+                                dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
             engines[name].warmup()
             started[name] = round(time.perf_counter() - t, 1)
     report = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
     for workload_name in args.workloads.split(","):
         n = args.requests if workload_name == "mixed" else args.requests // 2
-        workload = make_workload(workload_name, num_requests=n, vocab_size=engines["frozen"].vocab_size
-                                 if "frozen" in engines else engines["unfrozen"].vocab_size,
+        workload = make_workload(workload_name, num_requests=n, vocab_size=next(iter(engines.values())).vocab_size,
                                  max_new_tokens=NEW_TOKENS.get(workload_name))
         first_runs = {}
         for name, llm in engines.items():  # warm-up: oneDNN builds a kernel per new GEMM shape on first sight
@@ -68,7 +73,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
             for variant in order:
-                llm = engines["unfrozen" if variant == "unfrozen" else "frozen"]
+                llm = engines["frozen" if variant == "all_guards" else variant]
                 llm.runner.skip_guards = variant != "all_guards"
                 result, _ = run_kvgraph(llm, workload)
                 llm.runner.skip_guards = True

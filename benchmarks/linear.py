@@ -1,4 +1,4 @@
-"""Linear layers on the CPU: ``F.linear`` (MKL) vs ``kvgraph::linear`` (oneDNN, packed weight).
+"""Linear layers on the CPU: ``F.linear`` vs ``kvgraph::linear`` (MKL's packed GEMM, or oneDNN: the weight packed once).
 
     python benchmarks/linear.py [--vocab 32000] [--hidden 512] [--repeats 20] [--model llama-56m]
 
@@ -35,7 +35,7 @@ def median_ms(fn, repeats: int) -> float:
 
 def model_layers(name: str, repeats: int) -> list[dict]:
     """Every linear layer of preset ``name`` in module order, ``repeats`` steps at each row count,
-    with ``F.linear`` and with oneDNN-packed weights; the better of two alternating runs each."""
+    with ``F.linear`` and with ``kvgraph::linear``; the better of two alternating runs each."""
     from kvgraph.entrypoints.cli.floor import linear_layers
     from kvgraph.presets import load_preset
 
@@ -48,9 +48,9 @@ def model_layers(name: str, repeats: int) -> list[dict]:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in weights}
             plain = [lambda w=w, x=xs[w.shape[1]]: F.linear(x, w) for w in weights]
             ours = [lambda w=w, x=xs[w.shape[1]]: packed.linear(x, w) for w in weights]
-            step = {"f_linear": [], "onednn_packed": []}
+            step = {"f_linear": [], "packed": []}
             for _ in range(2):
-                for key, calls in (("f_linear", plain), ("onednn_packed", ours)):
+                for key, calls in (("f_linear", plain), ("packed", ours)):
                     step[key].append(median_ms(lambda calls=calls: [c() for c in calls], repeats))
             flop = 2 * rows * sum(w.numel() for w in weights)
             ms = {k: min(v) for k, v in step.items()}
@@ -70,7 +70,7 @@ def main() -> None:
     weight = torch.randn(args.vocab, args.hidden, generator=g)
     results = []
     with torch.inference_mode():
-        onednn = packed.uses_onednn(weight[:1], weight)
+        kind = packed.packed_weight(weight)[0] if packed.uses_packed(weight[:1], weight) else None
         for rows in (1, 8, 32, 64, 512):
             x = torch.randn(rows, args.hidden, generator=g)
             plain = median_ms(lambda x=x: F.linear(x, weight), args.repeats)
@@ -82,7 +82,7 @@ def main() -> None:
             })
     print(json.dumps({
         "vocab": args.vocab, "hidden": args.hidden, "threads": torch.get_num_threads(),
-        "onednn": onednn, "max_packed_rows": packed.MAX_PACKED_ROWS, "results": results,
+        "packed_with": kind, "pack_rows": packed.PACK_ROWS, "max_packed_rows": packed.MAX_PACKED_ROWS, "results": results,
         **({"model": args.model, "model_layers": model_layers(args.model, args.repeats)} if args.model else {}),
     }, indent=2))
 

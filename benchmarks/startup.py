@@ -1,5 +1,6 @@
 """Start-up to first tokens: a first start (empty Inductor cache) and a second one (the cache the
-first left), for each ``--freeze`` setting, each start a fresh process.
+first left), for each ``--freeze`` setting (``--freeze-weights`` on, off or auto: the default,
+off for a float32 model on the CPU), each start a fresh process.
 
     python benchmarks/startup.py --model llama-56m --freeze on,off
 
@@ -20,11 +21,9 @@ import tempfile
 import time
 
 
-def start(model: str, freeze: bool, cache_dir: str) -> dict:
+def start(model: str, freeze: str, cache_dir: str) -> dict:
     cmd = [sys.executable, "-m", "kvgraph.entrypoints.cli", "generate", "--model", model, "--prompt", "hello",
-           "--max-new-tokens", "4", "--json", "--no-progress"]
-    if not freeze:
-        cmd.append("--no-freeze-weights")
+           "--max-new-tokens", "4", "--json", "--no-progress", "--freeze-weights", freeze]
     env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     began = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -42,7 +41,7 @@ def start(model: str, freeze: bool, cache_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-56m")
-    parser.add_argument("--freeze", default="on,off", help="comma-separated: on, off")
+    parser.add_argument("--freeze", default="on,off", help="comma-separated: on, off, auto")
     args = parser.parse_args()
     from kvgraph.ops import cpp
 
@@ -50,9 +49,8 @@ def main() -> None:
     results = {}
     for setting in args.freeze.split(","):
         with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-            freeze = setting == "on"
-            results[f"freeze_{setting}"] = {"first": start(args.model, freeze, cache_dir),
-                                             "second": start(args.model, freeze, cache_dir)}
+            results[f"freeze_{setting}"] = {"first": start(args.model, setting, cache_dir),
+                                             "second": start(args.model, setting, cache_dir)}
     print(json.dumps({"model": args.model, "results": results}, indent=2))
 
 

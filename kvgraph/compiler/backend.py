@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from kvgraph.passes.pipeline import LoweringResult
 
 InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
-OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows")
+OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows", "packed_linears")
 
 
 @dataclass(frozen=True)
@@ -77,13 +77,15 @@ class BackendOptions:
             (``[1, T, V]`` becomes ``[1, batch, V]``).
         dump: ``dump(stage, gm)`` after capture and after each pass (debugging).
         freeze_weights: with Inductor, compile the parameters in as constants (Inductor's
-            ``freezing``: constant folding, and linear layers on oneDNN with prepacked weights).
-            Faster on the CPU; later changes to the parameters are not seen, and each compiled
-            graph keeps its own packed copy of the weights. Needs the first call under
-            ``torch.no_grad()`` or ``torch.inference_mode()``.
+            ``freezing``: constant folding, and the linear layers it keeps on oneDNN with
+            prepacked weights). Faster on the CPU; later in-place changes to the parameters are
+            not guaranteed to be seen (a folded or packed copy keeps the old values). Needs the
+            first call under ``torch.no_grad()`` or ``torch.inference_mode()``.
         windows: each attention site's sliding window, known before any graph is lowered (from
             the model's config, or given); ``None``: learnt from the first graph of a dynamic
             token count (see :class:`ModelWindows`).
+        packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear`` (the weight
+            packed once for MKL's GEMM, which beats Inductor's oneDNN linear at dynamic row counts).
     """
 
     params: KVCacheParams | None = None
@@ -92,6 +94,7 @@ class BackendOptions:
     dump: Callable[[str, torch.fx.GraphModule], None] | None = None
     freeze_weights: bool = False
     windows: KnownWindows | None = None
+    packed_linears: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -188,7 +191,7 @@ class GraphRunner:
             gm, cache_strategy=layout.strategy, page_size=layout.page_size, device=layout.device,
             expected=self.options.params, strict=True, prune_logits=self.options.prune_logits,
             dump=self.options.dump, example_inputs=list(example_inputs), windows=self.windows.known,
-            quantization=layout.quantization,
+            quantization=layout.quantization, packed_linears=self.options.packed_linears,
         )
         if not result.lowered:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
@@ -264,8 +267,8 @@ def kvgraph_backend(
     """``torch.compile(model, backend="kvgraph", options={...})``: the by-name entry point.
 
     ``options`` may set ``inner`` (default ``"inductor"``), ``prune_logits`` (default ``True``),
-    ``dump``, ``freeze_weights`` (default ``False``) and ``windows`` (each attention site's sliding
-    window, ``None`` for plain causal); the cache layout comes from ``kvgraph.bind`` at call time.
+    ``dump``, ``freeze_weights`` (default ``False``), ``packed_linears`` (default ``True``) and
+    ``windows`` (each attention site's sliding window, ``None`` for plain causal); the cache layout comes from ``kvgraph.bind`` at call time.
 
     By name, Dynamo hands each graph to this function alone: a graph captured for one token
     (``T == 1``) cannot learn the windows of the same model's graph of several tokens. A model with
@@ -457,6 +460,7 @@ def compile(
     prune_logits: bool = True,
     dump: Callable[[str, torch.fx.GraphModule], None] | None = None,
     freeze_weights: bool = False,
+    packed_linears: bool = True,
 ) -> CompiledModel:
     """Compile ``model`` (unmodified) into a ragged, KV-cached model.
 
@@ -472,6 +476,7 @@ def compile(
         prune_logits: return logits for each sequence's last new token only.
         dump: ``dump(stage, gm)`` after capture and after each lowering pass.
         freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
+        packed_linears: float32 linear layers on MKL's packed GEMM on the CPU (see ``BackendOptions``).
 
     The model's sliding windows are read from its Hugging Face config where it states them
     (:func:`kvgraph.compiler.hf.config_windows`), else learnt from its first graph of several tokens.
@@ -481,6 +486,6 @@ def compile(
     windows = None if sizes is None else KnownWindows(sizes=sizes, origin=WindowOrigin.CONFIG)
     backend = KVGraphBackend(BackendOptions(
         params=params, inner=inner, prune_logits=prune_logits, dump=dump, freeze_weights=freeze_weights,
-        windows=windows,
+        windows=windows, packed_linears=packed_linears,
     ))
     return CompiledModel(model, backend, manager)

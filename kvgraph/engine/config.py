@@ -37,8 +37,14 @@ class EngineConfig:
         enable_prefix_caching: share the pages of a common prompt prefix (paged cache only).
         num_steps: decode steps run back to back for a batch of decodes.
         compile: one of ``COMPILE_MODES``.
-        freeze_weights: compile the weights in as constants with prepacked linear layers (Inductor
-            only): faster, but later edits of the module's parameters are not seen.
+        freeze_weights: compile the weights in as constants (Inductor's freezing: constant
+            folding, oneDNN linears with prepacked weights; Inductor only); later edits of the
+            module's parameters are not guaranteed to be seen. ``None`` (the default): freeze
+            unless kvgraph packs every linear layer itself anyway (a float32 model on the CPU with
+            ``packed_linears`` and no weight quantization), where freezing is no faster and keeps
+            AOTAutograd from caching the compiled graphs (:func:`resolve_freeze_weights`).
+        packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear``, the weight
+            packed once for MKL's GEMM (``kvgraph.ops.linear``); ``False``: Inductor's own.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
@@ -73,7 +79,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_steps: int = 1
     compile: str = "inductor"
-    freeze_weights: bool = True
+    freeze_weights: bool | None = None
+    packed_linears: bool = True
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     progress: bool = True
@@ -92,8 +99,10 @@ class EngineConfig:
             check_positive_int("kv_cache_memory", self.kv_cache_memory)
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        check_flags(enable_prefix_caching=self.enable_prefix_caching, freeze_weights=self.freeze_weights,
-                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
+        if self.freeze_weights is not None:
+            check_flags(freeze_weights=self.freeze_weights)
+        check_flags(enable_prefix_caching=self.enable_prefix_caching,
+                    packed_linears=self.packed_linears, trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head)
         check_dtype(self.dtype)
         check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)
@@ -107,6 +116,18 @@ class EngineConfig:
     def kv_cache_memory_per_rank(self) -> int | None:
         """Each rank's share of ``kv_cache_memory`` (``None`` when that is)."""
         return None if self.kv_cache_memory is None else self.kv_cache_memory // self.tensor_parallel_size
+
+
+def resolve_freeze_weights(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of ``dtype`` on ``device`` is compiled frozen: ``config.freeze_weights``, or
+    when that is ``None``, unless kvgraph packs every linear layer itself (a float32 model on the CPU
+    with ``packed_linears`` and no weight quantization). There, frozen and unfrozen run at the same
+    speed (``benchmarks/engine_ab.py --variants frozen,unfrozen``), and only unfrozen graphs are
+    cached whole by AOTAutograd, which halves a second start."""
+    if config.freeze_weights is not None:
+        return config.freeze_weights
+    packed = device.type == "cpu" and dtype == torch.float32 and config.packed_linears
+    return not (packed and config.quantization is None)
 
 
 def check_flags(**flags: object) -> None:

@@ -334,7 +334,8 @@ class LLMEngine:
             logits = self.runner(kv_inputs, input_ids, position_ids, offsets, rows.positions)  # [positions, V]
             if rows.positions is not None:
                 logits = rows.score_prompts(out.entries, starts, logits)  # [batch, V]
-            logits = logits[run.rows]  # [rows, V]
+            if len(run.rows) != logits.shape[0]:  # some rows are prompt chunks that sample nothing
+                logits = logits[run.rows]  # [rows, V]
             if step == 0:
                 processor = LogitsProcessor.build(params, requests, logits.shape[-1], logits.device)
             if processor is not None:

@@ -25,8 +25,8 @@ class LLM(LLMEngine):
     with its defaults: ``cache_strategy="paged"``, ``page_size=16``, ``max_batch_size=64``,
     ``max_seq_len=2048``, ``max_batch_tokens=2048``, ``kv_cache_memory=None`` (bytes of the paged
     pool; default: room for ``max_batch_size`` sequences of ``max_seq_len`` tokens),
-    ``enable_prefix_caching=True``, ``num_steps=1``, ``compile="inductor"``, ``freeze_weights=True``,
-    ``device=None``, ``dtype=None``, ``progress=True``, ``tensor_parallel_size=1``,
+    ``enable_prefix_caching=True``, ``num_steps=1``, ``compile="inductor"``, ``freeze_weights=None`` (auto),
+    ``packed_linears=True``, ``device=None``, ``dtype=None``, ``progress=True``, ``tensor_parallel_size=1``,
     ``trust_remote_code=False``, ``adaptive_threads=False``, ``quantization=None`` (or
     ``"int8-weight-only"``: int8 linear weights, with ``dtype=torch.bfloat16``),
     ``quantize_lm_head=False``. ``config=EngineConfig(...)`` gives them as one object instead

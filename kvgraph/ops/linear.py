@@ -1,34 +1,57 @@
-"""``kvgraph::linear``: the output projection with a weight packed once for oneDNN on the CPU.
+"""``kvgraph::linear``: a linear layer whose weight is packed once for the CPU's GEMM.
 
 ``torch.ops.kvgraph.linear(x [..., C], weight [V, C], bias [V] | None) -> [..., V]`` is
-``F.linear``. On the CPU, for float32, it runs oneDNN's linear on a copy of
-``weight`` packed into oneDNN's blocked layout, made once per weight and made again when the
-weight changes in place (its version counter moves). The pruned vocabulary projection of a
-decode step is a skinny GEMM (a few dozen rows against tens of thousands of columns) where
-this is about twice as fast as the MKL GEMM behind ``F.linear`` on this project's CPUs
-(``benchmarks/linear.py``). Inductor packs linears like this only for static batch sizes.
-Other devices and dtypes run ``F.linear``.
+``F.linear``. On the CPU, for float32, it multiplies by a copy of ``weight`` packed once (and
+again when the weight changes in place: its version counter moves):
+
+- with MKL (PyTorch's x86 builds): MKL's packed SGEMM (``cblas_sgemm_pack`` /
+  ``cblas_sgemm_compute``, through ``torch.ops.mkl``), packed for :data:`PACK_ROWS` rows. At
+  the row counts of a decode step (1..64) a step's linear layers run 1.3-1.6x faster than with
+  ``F.linear`` or oneDNN's packed linear, and about as fast up to :data:`MAX_PACKED_ROWS`
+  (``benchmarks/linear.py``). PyTorch itself uses the packed product only for the row count it
+  packed for; MKL's packed B serves any row count, which :func:`packed_weight` checks once per
+  weight against ``F.linear`` (and uses oneDNN for that weight if it ever did not).
+- without MKL: oneDNN's blocked layout (``mkldnn._linear_pointwise``).
+
+Inductor packs linear layers only for static row counts (MKL) or through oneDNN (dynamic ones);
+kvgraph's token count is dynamic, so the lowering hands every float32 CPU linear to this op
+(:mod:`kvgraph.passes.packed_linears`). Other devices and dtypes, and more rows than
+:data:`MAX_PACKED_ROWS`, run ``F.linear``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 import torch.nn.functional as F
 
-MAX_PACKED_ROWS = 256  # past this (a prefill-sized GEMM) MKL's F.linear is as fast or faster
+MAX_PACKED_ROWS = 512  # past this (a prefill-sized GEMM) F.linear is as fast
+PACK_ROWS = 64  # MKL packs for this many rows: the best layout for decode batches of 1..64
 PACKED_DTYPES = (torch.float32,)  # oneDNN's bf16 linear needs AVX512-BF16 or AMX
+CHECK_ROWS = 3  # rows of the one-off comparison of a new MKL pack with F.linear
+
+logger = logging.getLogger(__name__)
 
 _LIB = torch.library.Library("kvgraph", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 
 _lock = threading.Lock()
-_ATTR = "_kvgraph_onednn_packed"  # on the weight tensor: (its version when packed, the packed copy)
+_ATTR = "_kvgraph_packed"  # on the weight tensor: (its version when packed, kind, the packed copy)
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [V, C]`` in oneDNN's layout, packed on first use and again after an in-place change.
+def has_mkl() -> bool:
+    """Whether this PyTorch build has MKL's packed SGEMM (``torch.ops.mkl._mkl_linear``)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+_MKL_LINEAR = torch.ops.mkl._mkl_linear.default if has_mkl() else None
+_CAN_PACK = has_mkl() or torch.backends.mkldnn.is_available()
+
+
+def packed_weight(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """``("mkl" | "onednn", weight [V, C] packed)``: packed on first use and again after an in-place change.
 
     The packed copy hangs on the weight tensor itself, so it lives and dies with it. An inference
     tensor has no version counter (``torch.inference_mode`` made it): it is packed once.
@@ -39,25 +62,52 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
         with _lock:
             entry = getattr(weight, _ATTR, None)
             if entry is None or entry[0] != version:
-                entry = (version, weight.detach().to_mkldnn())
+                entry = (version, *_pack(weight.detach()))
                 setattr(weight, _ATTR, entry)
-    return entry[1]
+    return entry[1], entry[2]
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes the packed oneDNN path for these tensors."""
+def _pack(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    weight = weight.contiguous()
+    if _MKL_LINEAR is not None:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS)
+        if _mkl_pack_agrees(weight, packed):
+            return "mkl", packed
+        logger.warning(
+            "MKL's product with a weight of shape %s packed for %d rows differs from F.linear at %d rows; "
+            "this weight uses oneDNN instead", tuple(weight.shape), PACK_ROWS, CHECK_ROWS,
+        )
+    return "onednn", weight.to_mkldnn()
+
+
+def _mkl_pack_agrees(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether MKL's product with ``packed`` at :data:`CHECK_ROWS` rows (not the rows it was packed
+    for) equals ``F.linear``'s, to float32 rounding."""
+    x = torch.randn(CHECK_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    got = _MKL_LINEAR(x, packed, weight, None, CHECK_ROWS)
+    want = F.linear(x, weight)
+    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(want.abs().max().item(), 1.0)))
+
+
+def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes a packed path for these tensors (at most :data:`MAX_PACKED_ROWS` rows)."""
     return (
-        torch.backends.mkldnn.is_available() and x.device.type == "cpu" and weight.dim() == 2
-        and x.dtype == weight.dtype and weight.dtype in PACKED_DTYPES and not torch.is_grad_enabled()
+        x.dtype is weight.dtype and weight.dtype in PACKED_DTYPES and weight.dim() == 2
+        and not torch.is_grad_enabled() and _CAN_PACK and x.device.type == "cpu"
     )
 
 
 @torch.library.impl(_LIB, "linear", "CPU")
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])  # [N, C]
-    if rows.shape[0] > MAX_PACKED_ROWS or not uses_onednn(x, weight):
+    # the hot path of every decode step's linear layers: few checks, no reshapes for MKL
+    n = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if n == 0 or n > MAX_PACKED_ROWS or not uses_packed(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight(weight), bias, "none", [], "")
+    kind, packed = packed_weight(weight)
+    if kind == "mkl":
+        # the row count is passed as the packed one: MKL's packed B serves any (checked at pack time)
+        return _MKL_LINEAR(x, packed, weight, bias, n)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(n, x.shape[-1]), packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -72,5 +122,5 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [..., C], weight [V, C], bias [V])``, packed for oneDNN on the CPU (see the module)."""
+    """``F.linear(x [..., C], weight [V, C], bias [V])`` with a packed weight on the CPU (see the module)."""
     return torch.ops.kvgraph.linear(x, weight, bias)

@@ -2,7 +2,7 @@
 
 ``lower(gm, ...)`` runs the whole pipeline (see :mod:`kvgraph.passes.pipeline`); the passes
 live one per module: ``find_attention``, ``add_kv_inputs``, ``lower_attention``,
-``prune_logits`` and ``verify`` (dce + verification), over the networkx view of
+``prune_logits``, ``packed_linears`` and ``verify`` (dce + verification), over the networkx view of
 :mod:`kvgraph.passes.graph_view`.
 """
 

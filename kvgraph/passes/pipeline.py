@@ -2,7 +2,7 @@
 
 Pass order (each in its own module)::
 
-    find_attention -> add_kv_inputs -> lower_attention -> prune_logits -> dce -> verify
+    find_attention -> add_kv_inputs -> lower_attention -> prune_logits -> packed_linears -> dce -> verify
 
 ``lower(gm, ...)`` is the front door; :class:`LoweringPipeline` owns the order, the timings,
 the optional ``dump(stage, gm)`` after each pass, and the all-or-nothing rule: the passes edit a
@@ -24,13 +24,20 @@ from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
 from kvgraph.cache.quant import KVCacheQuantizationConfig
 from kvgraph.cache.symbols import LOGIT_POSITIONS, RaggedKVCacheInputSymbols
 from kvgraph.errors import CacheInputError, LoweringError
-from kvgraph.passes import add_kv_inputs, find_attention, lower_attention, prune_logits, verify
+from kvgraph.passes import (
+    add_kv_inputs,
+    find_attention,
+    lower_attention,
+    packed_linears,
+    prune_logits,
+    verify,
+)
 from kvgraph.passes.find_attention import AttentionAnalysis, AttentionSite, KnownWindows
 from kvgraph.passes.graph_view import copy_module
 from kvgraph.passes.log import log_pass, logger
 
 Dump = Callable[[str, torch.fx.GraphModule], None]
-PASSES = ("find_attention", "add_kv_inputs", "lower_attention", "prune_logits", "dce", "verify")
+PASSES = ("find_attention", "add_kv_inputs", "lower_attention", "prune_logits", "packed_linears", "dce", "verify")
 _GRAPH_FIELDS = ("n_kv_heads", "head_dim", "num_layers", "dtype")
 
 
@@ -65,8 +72,10 @@ class LoweringPipeline:
         example_inputs: Sequence[object] | None = None,
         windows: KnownWindows | None = None,
         quantization: tuple[torch.dtype, int] | None = None,
+        packed_linears: bool = True,
     ) -> None:
         self.quantization = quantization
+        self.packed_linears = packed_linears
         self.cache_strategy = KVCacheStrategy.parse(cache_strategy)
         # Validates page_size for the strategy now (InvalidParamsError), before any graph is touched.
         KVCacheParams(torch.float32, 1, 1, 1, page_size=page_size, cache_strategy=self.cache_strategy)
@@ -114,8 +123,8 @@ class LoweringPipeline:
         params = self._params(analysis)
         kv = step("add_kv_inputs", add_kv_inputs.run, gm, params)
         step("lower_attention", lower_attention.run, gm, analysis.sites, kv)
-        pruned = step("prune_logits", prune_logits.run, gm, kv.nodes()[-1], analysis.token_count,
-                      self.prune_logits, analysis.device.type == "cpu")
+        pruned = step("prune_logits", prune_logits.run, gm, kv.nodes()[-1], analysis.token_count, self.prune_logits)
+        step("packed_linears", packed_linears.run, gm, self.packed_linears and analysis.device.type == "cpu")
         step("dce", verify.dce, gm)
         step("verify", verify.run, gm, analysis, kv)
         names = [*kv.names(), LOGIT_POSITIONS] if pruned else kv.names()
@@ -180,6 +189,7 @@ def lower(
     example_inputs: Sequence[object] | None = None,
     windows: KnownWindows | None = None,
     quantization: tuple[torch.dtype, int] | None = None,
+    packed_linears: bool = True,
 ) -> LoweringResult:
     """Lower a Dynamo graph of a decoder (batch of one, ``[1, T]`` tokens) to a ragged KV-cache graph.
 
@@ -202,9 +212,11 @@ def lower(
             a graph of a dynamic count must show the same.
         quantization: ``(storage dtype, head-dim elements per scale)`` of a quantized cache
             (without ``expected``); ``None``: the cache stores the model's dtype.
+        packed_linears: on the CPU, run the float32 linear layers as ``kvgraph::linear`` (a
+            weight packed once for MKL's or oneDNN's GEMM, :mod:`kvgraph.passes.packed_linears`).
     """
     return LoweringPipeline(
         cache_strategy=cache_strategy, page_size=page_size, device=device, expected=expected, strict=strict,
         prune_logits=prune_logits, dump=dump, example_inputs=example_inputs, windows=windows,
-        quantization=quantization,
+        quantization=quantization, packed_linears=packed_linears,
     )(gm)

@@ -16,11 +16,8 @@ and ``logits_to_keep=1`` do, or ``x[:, -1]``) would return one row for the whole
 batch; that slice is replaced the same way (``x[:, -1]`` then gives ``[batch, V]``), and
 refused if pruning is disabled.
 
-On the CPU (``packed_projection=True``) the pruned projection becomes ``kvgraph::linear``
-(:mod:`kvgraph.ops.linear`): the same product, with the weight packed once for oneDNN, which
-is about twice as fast as ``F.linear`` for the skinny GEMM of a decode step. A weight that is a
-tensor subclass (a quantized weight, such as torchao's) keeps ``F.linear``, which
-its subclass implements.
+The projection stays a plain linear; on the CPU ``packed_linears`` (the next pass) packs it
+with the model's other linear layers.
 """
 
 from __future__ import annotations
@@ -78,12 +75,9 @@ def run(
     after: Node,
     token_count: int | torch.SymInt,
     enabled: bool = True,
-    packed_projection: bool = False,
 ) -> bool:
     """Prune the logits to the rows of a new ``logit_positions`` input (placed after the
     placeholder ``after``); returns whether any output was pruned (and the input added).
-
-    ``packed_projection``: run each pruned projection as ``kvgraph::linear`` (for CPU graphs).
 
     With ``enabled=False`` nothing changes, but a graph that keeps only the last token of the
     flattened batch raises ``LoweringError`` (its output would be wrong for a ragged batch).
@@ -109,8 +103,6 @@ def run(
             if site.drops_token_dim:
                 new.append(graph.call_function(operator.getitem, (rows, 0)))  # [num_logits, C]
         site.linear.replace_input_with(site.linear.args[0], new[-1])
-        if packed_projection and site.linear.op == "call_function" and _plain_weight(site.linear):
-            _to_packed_linear(site.linear)
         for node in (*new, *site.chain):
             _refresh(node, fake_mode)
     names = ", ".join(f"{s.linear.name} {tuple(meta_value(s.chain[-1]).shape)}" for s in sites)
@@ -131,24 +123,6 @@ def _add_positions(gm: torch.fx.GraphModule, after: Node, fake_mode) -> Node:
     node.meta["val"] = node.meta["example_value"] = fake
     node._dynamo_source = None  # aot_autograd expects one on every placeholder of a Dynamo graph
     return node
-
-
-def _plain_weight(linear: Node) -> bool:
-    """Whether the weight of ``linear(x, W[, b])`` is a plain tensor, not a subclass (a quantized weight)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
-    return not is_traceable_wrapper_subclass(meta_value(weight))
-
-
-def _to_packed_linear(linear: Node) -> None:
-    """``linear(x, W[, b])`` -> ``kvgraph::linear(x, W, b)`` (the same product, oneDNN-packed on the CPU)."""
-    import kvgraph.ops.linear  # noqa: F401  (registers torch.ops.kvgraph.linear)
-
-    x, weight, *rest = [*linear.args, *linear.kwargs.values()]
-    bias = rest[0] if rest else None
-    linear.target = torch.ops.kvgraph.linear.default
-    linear.args, linear.kwargs = (x, weight, bias), {}
 
 
 def _chain_to_linear(out: Node, output: Node) -> list[Node] | None:

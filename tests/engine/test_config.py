@@ -41,3 +41,25 @@ def test_frozen_and_replace_checks_again():
     assert dataclasses.replace(config, cache_strategy="continuous").cache_strategy is KVCacheStrategy.CONTINUOUS
     with pytest.raises(ConfigError, match=r"num_steps.*-1\b"):
         dataclasses.replace(config, num_steps=-1)
+
+
+@pytest.mark.parametrize("fields, dtype, device, frozen", [
+    ({}, torch.float32, "cpu", False),  # kvgraph packs every linear: freezing buys nothing
+    ({}, torch.bfloat16, "cpu", True),  # Inductor's bf16 linears need the weights frozen to pack
+    ({}, torch.float32, "cuda", True),
+    ({"packed_linears": False}, torch.float32, "cpu", True),
+    ({"freeze_weights": True}, torch.float32, "cpu", True),
+    ({"freeze_weights": False}, torch.bfloat16, "cpu", False),
+])
+def test_freeze_weights_auto(fields, dtype, device, frozen):
+    from kvgraph.engine.config import resolve_freeze_weights
+
+    config = EngineConfig(device="cpu", **fields)
+    assert resolve_freeze_weights(config, dtype, torch.device(device)) is frozen
+
+
+def test_quantized_weights_are_frozen_by_default():
+    from kvgraph.engine.config import resolve_freeze_weights
+
+    config = EngineConfig(device="cpu", dtype=torch.bfloat16, quantization="int8-weight-only")
+    assert resolve_freeze_weights(config, torch.float32, torch.device("cpu")) is True

@@ -15,6 +15,15 @@ def test_greedy_is_argmax_per_row():
     assert torch.equal(sample(logits, params, [None] * 3).tokens, logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan():
+    logits = torch.zeros(3, 40000)
+    logits[0, [7, 30000]] = 2.0  # a tie: the lower id wins, as torch.argmax
+    logits[1, 123] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    out = sample(logits, greedy, [None] * 3)
+    assert out.tokens.tolist() == [7, 123, 0] == torch.argmax(logits, dim=-1).tolist()
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
                                     SamplingParams(temperature=2.0, top_p=1e-6)])
 def test_top_k_1_and_tiny_top_p_reduce_to_greedy(params):

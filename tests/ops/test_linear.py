@@ -1,4 +1,5 @@
-"""``kvgraph::linear``: F.linear with a oneDNN-packed weight on the CPU, repacked when the weight changes."""
+"""``kvgraph::linear``: F.linear with a packed weight on the CPU (MKL's packed GEMM, else oneDNN),
+repacked when the weight changes."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kvgraph.ops import linear as L
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+pytestmark = pytest.mark.skipif(not L._CAN_PACK, reason="needs MKL or oneDNN")
+needs_mkl = pytest.mark.skipif(not L.has_mkl(), reason="needs MKL")
 
 
 @pytest.mark.parametrize("shape", [(1, 7, 48), (5, 48), (1, 1, 48)])
@@ -18,20 +20,54 @@ def test_matches_f_linear(shape, with_bias):
     w = torch.randn(97, 48, generator=g)
     b = torch.randn(97, generator=g) if with_bias else None
     with torch.inference_mode():
-        assert L.uses_onednn(x, w)
+        assert L.uses_packed(x, w)
         out = L.linear(x, w, b)
     assert out.shape == (*shape[:-1], 97)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 2, 17, L.PACK_ROWS - 1, L.PACK_ROWS, L.PACK_ROWS + 1, 200, L.MAX_PACKED_ROWS])
+def test_one_mkl_pack_serves_every_row_count(rows):
+    """MKL packs for PACK_ROWS rows; the product is F.linear's at any other count as well."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(1, rows, 96, generator=g)
+    with torch.inference_mode():
+        kind, _ = L.packed_weight(w)
+        assert kind == "mkl"
+        out = L.linear(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_mkl
+def test_a_pack_mkl_gets_wrong_falls_back_to_onednn(monkeypatch, caplog):
+    monkeypatch.setattr(L, "_mkl_pack_agrees", lambda weight, packed: False)
+    x, w = torch.randn(4, 16), torch.randn(11, 16)
+    with torch.inference_mode(), caplog.at_level("WARNING", logger=L.__name__):
+        kind, packed = L.packed_weight(w)
+        out = L.linear(x, w)
+    assert kind == "onednn" and packed.is_mkldnn
+    assert "(11, 16)" in caplog.text and "oneDNN" in caplog.text
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_mkl
+def test_the_pack_check_tells_a_wrong_pack():
+    w = torch.randn(11, 16)
+    assert L._mkl_pack_agrees(w, torch.ops.mkl._mkl_reorder_linear_weight(w, L.PACK_ROWS))
+    other = torch.randn(11, 16)
+    assert not L._mkl_pack_agrees(w, torch.ops.mkl._mkl_reorder_linear_weight(other, L.PACK_ROWS))
 
 
 def test_packs_once_and_again_after_an_in_place_change():
     x, w = torch.randn(3, 16), torch.randn(11, 16)
     with torch.no_grad():
         first = L.linear(x, w)
-        packed = L.packed_weight(w)
-        assert L.packed_weight(w) is packed  # cached on the weight
+        packed = L.packed_weight(w)[1]
+        assert L.packed_weight(w)[1] is packed  # cached on the weight
         w.mul_(2)
-        assert L.packed_weight(w) is not packed
+        assert L.packed_weight(w)[1] is not packed
         torch.testing.assert_close(L.linear(x, w), 2 * first, rtol=1e-5, atol=1e-4)
 
 
@@ -39,17 +75,25 @@ def test_an_inference_tensor_weight_is_packed_once():
     with torch.inference_mode():
         w = torch.randn(11, 16)
         assert w.is_inference()
-        assert L.packed_weight(w) is L.packed_weight(w)
+        assert L.packed_weight(w)[1] is L.packed_weight(w)[1]
+
+
+def test_a_non_contiguous_weight_is_packed_as_its_values():
+    base = torch.randn(16, 11)
+    w = base.t()  # [11, 16], not contiguous
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_other_dtypes_and_grad_mode_run_f_linear(dtype):
     x, w = torch.randn(3, 16, dtype=dtype), torch.randn(11, 16, dtype=dtype)
     with torch.no_grad():
-        assert not L.uses_onednn(x, w)
+        assert not L.uses_packed(x, w)
         assert torch.equal(L.linear(x, w), F.linear(x, w))
     x32 = torch.randn(3, 16, requires_grad=True)
-    assert not L.uses_onednn(x32, torch.randn(11, 16))  # autograd: the plain op
+    assert not L.uses_packed(x32, torch.randn(11, 16))  # autograd: the plain op
 
 
 def test_fake_impl_gives_the_shape():
@@ -58,7 +102,9 @@ def test_fake_impl_gives_the_shape():
     assert out.shape == (1, 5, 11)
 
 
-def test_prefill_sized_inputs_run_f_linear():
-    x, w = torch.randn(L.MAX_PACKED_ROWS + 1, 16), torch.randn(11, 16)
+@pytest.mark.parametrize("rows", [0, L.MAX_PACKED_ROWS + 1])
+def test_empty_and_prefill_sized_inputs_run_f_linear(rows):
+    x, w = torch.randn(rows, 16), torch.randn(11, 16)
     with torch.inference_mode():
         assert torch.equal(L.linear(x, w), F.linear(x, w))
+        assert not hasattr(w, L._ATTR)  # nothing was packed

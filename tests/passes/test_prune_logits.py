@@ -61,13 +61,13 @@ def test_hf_logits_become_one_row_per_logit_position(llama_sdpa):
     shape = meta_value(logits).shape
     assert shape[0] == 1 and shape[1].node.expr == rows.shape[0].node.expr and shape[2] == VOCAB
     assert count_calls(gm, "index_select") == 1
-    # on the CPU the pruned projection is kvgraph::linear (oneDNN, prepacked weight)
+    # on the CPU the pruned projection, like every float32 linear, is then packed (packed_linears)
     projection = logits.args[0] if logits.op == "call_function" and "linear" not in str(logits.target) else logits
     assert projection.target is torch.ops.kvgraph.linear.default
-    assert count_calls(gm, "linear.default") == 1
+    assert projection.args[0].target is torch.index_select or projection.args[0].args[0].target is torch.index_select
 
 
-def test_the_projection_stays_f_linear_when_not_packed(llama_sdpa):
+def test_the_pass_leaves_the_projection_a_plain_linear(llama_sdpa):
     gm = llama_sdpa.fresh()
     result = lower(gm)
     assert result.logits_pruned
@@ -77,8 +77,10 @@ def test_the_projection_stays_f_linear_when_not_packed(llama_sdpa):
     analysis = find_attention.run(plain, None)
     kv = add_kv_inputs.run(plain, result.params)
     lower_attention.run(plain, analysis.sites, kv)
-    assert prune_logits.run(plain, kv.input_row_offsets, analysis.token_count, True, packed_projection=False)
+    assert prune_logits.run(plain, kv.input_row_offsets, analysis.token_count, True)
     assert count_calls(plain, "linear.default") == 0
+    (logits,) = plain.graph.output_node().args[0][:1]
+    assert logits.target is torch._C._nn.linear
 
 
 @pytest.mark.parametrize("kind", ["last", "last_slice", "last_index", "softcap"])

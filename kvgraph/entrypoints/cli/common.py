@@ -62,6 +62,10 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+FREEZE_CHOICES = {"auto": None, "on": True, "off": False}
+"""``--freeze-weights`` values -> ``EngineConfig.freeze_weights``."""
+
+
 def _default(field: str) -> object:
     """The default of ``EngineConfig.<field>``: a flag left out means what ``kvgraph.LLM`` does."""
     return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == field)
@@ -98,9 +102,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per schedule (default %(default)s)")
     g.add_argument("--compile", choices=COMPILE_MODES, default=_default("compile"),
                    help="what runs the lowered graph (default %(default)s)")
-    g.add_argument("--no-freeze-weights", action="store_true",
-                   help="keep the weights as graph inputs instead of compiling them in as prepacked "
-                   "constants (Inductor's freezing)")
+    g.add_argument("--freeze-weights", choices=list(FREEZE_CHOICES), default="auto",
+                   help="compile the weights in as constants (Inductor's freezing): on, off, or auto: "
+                   "off where kvgraph packs every linear layer itself (float32 on the CPU), else on "
+                   "(default %(default)s)")
+    g.add_argument("--no-freeze-weights", action="store_true", help="the same as --freeze-weights off")
+    g.add_argument("--no-packed-linears", action="store_true",
+                   help="leave float32 linear layers on the CPU to Inductor (oneDNN) instead of "
+                   "kvgraph::linear (MKL's packed GEMM)")
     g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
@@ -139,7 +148,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "cache_strategy": lambda args: args.cache,
     "enable_prefix_caching": lambda args: not args.no_prefix_caching,
-    "freeze_weights": lambda args: not args.no_freeze_weights,
+    "freeze_weights": lambda args: False if args.no_freeze_weights else FREEZE_CHOICES[args.freeze_weights],
+    "packed_linears": lambda args: not args.no_packed_linears,
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
     "kv_cache_dtype": lambda args: KV_CACHE_DTYPES[args.kv_cache_dtype],

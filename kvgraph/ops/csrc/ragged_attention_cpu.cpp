@@ -439,15 +439,32 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       return src;
     }
   };
+  // The first head of a sequence asks for each run's rows of every head (contiguous: a row holds
+  // the heads side by side) one run ahead: the thread then takes the sequence's other heads, which
+  // find them in cache. The rows of a decode step lie in pages scattered over the pool, one read
+  // each, and the hardware prefetcher does not follow the jump from one page to the next.
+  auto prefetch_run = [&](int64_t pos, int64_t kv) {
+    if (h != 0 || pos >= kv_end) return;
+    const int64_t n = run_end(pos) - pos;
+    const char* src = reinterpret_cast<const char*>(blocks + g.offset(lut, b, pos, kv, layer));
+    const int64_t span = g.hkv * D * static_cast<int64_t>(sizeof(cache_t));
+    const int64_t stride = g.stride_slot * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(src + j * stride + c, 0, 2);
+    }
+  };
+  prefetch_run(kv_begin, 0);
   // -- pass 1: every score, page by page (scores[r * n_ctx + j] is position kv_begin + j) --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
+    prefetch_run(pos + n, 0);
     int64_t ld;
     const A* kt = rows_of(pos, n, 0, kf, ld);
     A* const sc = scores.data() + pos - kv_begin;
     for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
     pos += n;
   }
+  prefetch_run(kv_begin, 1);
   // -- pass 2: softmax numerators and their sums (of the capped scores: every key is visible) --
   for (int64_t r = 0; r < rows; ++r) {
     A* sr = scores.data() + r * n_ctx;
@@ -457,6 +474,7 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   // -- pass 3: acc = sum_j p_j v_j, page by page --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
+    prefetch_run(pos + n, 1);
     int64_t ld;
     const A* vt = rows_of(pos, n, 1, vf, ld);
     const A* const sc = scores.data() + pos - kv_begin;
@@ -564,14 +582,19 @@ void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const G
                    [&](int64_t x, int64_t y) { return cost[x / g.hkv] > cost[y / g.hkv]; });
   std::atomic<int64_t> next{0};
   const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  const int64_t chunk = static_cast<int64_t>(items.size()) >= 4 * n_workers ? g.hkv : 1;
 
   at::parallel_for(0, n_workers, 1, [&](int64_t, int64_t) {
     // per-thread scratch: queries (pre-scaled), accumulators, running max and sum, scores,
     // and one K and one V tile gathered from its pages in the accumulation type
     std::vector<A> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max),
         scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D), context_scores;
-    for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < n_items;
-         n = next.fetch_add(1, std::memory_order_relaxed)) {
+    // with items enough to share out, a thread takes all kv heads of an item at once (they cost the
+    // same, so the sort keeps them together, head 0 first): they read the same rows, which head 0
+    // brings into cache
+    for (int64_t first = next.fetch_add(chunk, std::memory_order_relaxed); first < n_items;
+         first = next.fetch_add(chunk, std::memory_order_relaxed))
+    for (int64_t n = first; n < first + chunk; ++n) {
       const int64_t i = order[n];
       const WorkItem& item = items[i / g.hkv];
       const int64_t h = i % g.hkv, b = item.b, cached = cl[b];

@@ -42,6 +42,17 @@ def test_each_flag_sets_its_field():
     )
 
 
+@pytest.mark.parametrize("flags, frozen", [
+    ([], None), (["--freeze-weights", "on"], True), (["--freeze-weights", "off"], False),
+    (["--no-freeze-weights"], False), (["--no-packed-linears"], None),
+])
+def test_freeze_weights_flags(flags, frozen):
+    args = build_parser().parse_args(["generate", *flags])
+    config = engine_config(args, progress=False)
+    assert config.freeze_weights is frozen
+    assert config.packed_linears is ("--no-packed-linears" not in flags)
+
+
 def test_build_llm_hands_the_engine_the_config_of_the_flags(monkeypatch):
     built = {}
 
