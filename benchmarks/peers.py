@@ -24,8 +24,10 @@ for ``--repeats`` rounds runs, alternating which goes first:
 - ``benchmarks/peers/run_openvino_genai.py`` in the peer virtualenv (``--peer-python``), a fresh
   process per round: ``ContinuousBatchingPipeline``, paged attention, ``dynamic_split_fuse``,
   prefix caching off, fp32 weights, activations and KV cache (``--dtype bfloat16``: bf16 on both
-  sides, the exported fp32 weights cast when each engine loads them); its build and warm-up are
-  timed apart.
+  sides, the exported fp32 weights cast when each engine loads them; ``--dtype int8``: what a CPU
+  user runs quantized, int8 weights with bf16 activations and an 8-bit KV cache: an export with
+  ``--weight-format int8`` and OpenVINO's u8 cache against kvgraph's torchao ``int8-weight-only``
+  and int8 cache); its build and warm-up are timed apart.
 
 Each engine runs every workload once untimed before its timed run (kvgraph once per workload,
 OpenVINO once in each of its processes): both build their GEMM kernels for shapes they see the
@@ -65,6 +67,12 @@ DEFAULT_CACHE = Path.home() / ".cache" / "kvgraph" / "peers"
 MAX_BATCHED_TOKENS = 2048
 # (workload, new tokens), as benchmarks/cpu_serving.py measures them
 WORKLOADS = {"mixed": None, "decode-heavy": 128, "shared-prefix": None}
+# --dtype -> kvgraph's LLM settings
+ENGINE_SETTINGS = {
+    "float32": {"dtype": torch.float32},
+    "bfloat16": {"dtype": torch.bfloat16},
+    "int8": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "kv_cache_dtype": "int8"},
+}
 VENV_HELP = (
     "python3 -m venv /work/peers/openvino && /work/peers/openvino/bin/pip install torch==2.13.0 && "
     "/work/peers/openvino/bin/pip install torch==2.13.0 openvino-genai 'optimum-intel[openvino]' transformers && "
@@ -119,21 +127,23 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def prepare_checkpoints(model: str, cache_dir: Path, peer_python: Path) -> tuple[Path, Path, float | None]:
-    """The preset's Hugging Face checkpoint and its fp32 OpenVINO export, and the export's seconds
-    (``None`` when an export of the same weights was already there)."""
-    hf_dir, ov_dir = cache_dir / model / "hf", cache_dir / model / "openvino-fp32"
+def prepare_checkpoints(model: str, cache_dir: Path, peer_python: Path,
+                        weight_format: str = "fp32") -> tuple[Path, Path, float | None]:
+    """The preset's Hugging Face checkpoint and its OpenVINO export with ``weight_format`` weights
+    (``fp32`` or ``int8``), and the export's seconds (``None`` when an export of the same weights
+    was already there)."""
+    hf_dir, ov_dir = cache_dir / model / "hf", cache_dir / model / f"openvino-{weight_format}"
     save_preset(model, hf_dir)
     digest = file_digest(hf_dir / "model.safetensors")
     stamp = ov_dir / "kvgraph-checkpoint.sha256"
     if stamp.is_file() and stamp.read_text().strip() == digest and (ov_dir / "openvino_model.xml").is_file():
         return hf_dir, ov_dir, None
     cli = peer_python.parent / "optimum-cli"
-    log(f"exporting {hf_dir} to {ov_dir} (fp32 weights)")
+    log(f"exporting {hf_dir} to {ov_dir} ({weight_format} weights)")
     start = time.perf_counter()
     subprocess.run(
         [str(cli), "export", "openvino", "--model", str(hf_dir), "--task", "text-generation-with-past",
-         "--weight-format", "fp32", str(ov_dir)],
+         "--weight-format", weight_format, str(ov_dir)],
         check=True, env=peer_env(), stdout=subprocess.DEVNULL,
     )
     elapsed = time.perf_counter() - start
@@ -187,8 +197,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="override every workload's output length")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="weights, activations and KV cache of both engines (default float32)")
+    parser.add_argument("--dtype", choices=tuple(ENGINE_SETTINGS), default="float32",
+                        help="weights, activations and KV cache of both engines (default float32); int8: "
+                        "int8 weights with bf16 activations and an 8-bit KV cache on both (kvgraph: torchao "
+                        "int8-weight-only and an int8 cache; OpenVINO: an int8 export and its u8 cache)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-python", type=Path, default=DEFAULT_PEER_PYTHON)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="checkpoints and exports, by model")
@@ -200,11 +212,12 @@ def main() -> None:
     check_peer_python(args.peer_python)
 
     load_before = os.getloadavg()
-    hf_dir, ov_dir, export_s = prepare_checkpoints(args.model, args.cache_dir, args.peer_python)
+    hf_dir, ov_dir, export_s = prepare_checkpoints(args.model, args.cache_dir, args.peer_python,
+                                                   "int8" if args.dtype == "int8" else "fp32")
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     llm = LLM(str(hf_dir), max_batch_size=args.max_batch_size, max_seq_len=1024,
-              max_batch_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=False, dtype=getattr(torch, args.dtype))
+              max_batch_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=False, **ENGINE_SETTINGS[args.dtype])
     built_s = time.perf_counter() - start
     warmup_s = llm.warmup()
     graphs_after_warmup = llm.stats()["compiled_graphs"]
@@ -214,7 +227,7 @@ def main() -> None:
         "threads": args.threads, "repeats": args.repeats, "machine": machine(),
         "kvgraph": {"build_s": round(built_s, 3), "warmup_s": round(warmup_s, 3),
                     "startup_s": round(built_s + warmup_s, 3), "prefix_caching": False,
-                    "dtype": str(llm.params.dtype)},
+                    "dtype": str(llm.params.dtype), "settings": {k: str(v) for k, v in ENGINE_SETTINGS[args.dtype].items()}},
         "workloads": {},
     }
     peer_info = None

@@ -5,12 +5,13 @@ of kvgraph; ``benchmarks/peers.py`` starts it once per round:
 
     /work/peers/openvino/bin/python benchmarks/peers/run_openvino_genai.py --model-dir OV_DIR --request REQ.json
 
-``OV_DIR`` is a model exported by ``optimum-cli export openvino --weight-format fp32`` (with its
-converted tokenizer). ``REQ.json`` holds ``prompts`` (lists of token ids), ``max_new_tokens``,
+``OV_DIR`` is a model exported by ``optimum-cli export openvino --weight-format fp32`` (or
+``int8``; with its converted tokenizer). ``REQ.json`` holds ``prompts`` (lists of token ids), ``max_new_tokens``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``threads`` and ``dtype``. The pipeline: paged attention,
 ``dynamic_split_fuse``, prefix caching off, the request's ``dtype`` (fp32 by default, or bf16) for
 weights and activations (``INFERENCE_PRECISION_HINT``)
-and KV cache (``KV_CACHE_PRECISION``, ``KEY_CACHE_PRECISION``, ``VALUE_CACHE_PRECISION``), greedy,
+and KV cache (``KV_CACHE_PRECISION``, ``KEY_CACHE_PRECISION``, ``VALUE_CACHE_PRECISION``); ``int8``:
+bf16 inference over the int8 weights of the export and a u8 KV cache (the CPU plugin's default), greedy,
 exactly ``max_new_tokens`` per request (EOS ignored), every request submitted at once in one
 ``generate`` call. Before the timed call, a warm-up like ``LLM.warmup`` (3 short requests) and,
 with ``warm_runs`` in the request, that many untimed runs of the whole workload (as the driver
@@ -29,13 +30,17 @@ import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
 
-PRECISIONS = {"float32": ("f32", 4), "bfloat16": ("bf16", 2)}  # request dtype -> OpenVINO type, bytes
-PRECISION_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")
+# request dtype -> (OpenVINO inference type, KV cache type, KV bytes per element); "int8": a model
+# exported with int8 weights, bf16 inference and the CPU plugin's default u8 KV cache
+PRECISIONS = {"float32": ("f32", "f32", 4), "bfloat16": ("bf16", "bf16", 2), "int8": ("bf16", "u8", 1)}
+KV_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
+PRECISION_KEYS = (*KV_KEYS, "INFERENCE_PRECISION_HINT")
 REPORTED_KEYS = (*PRECISION_KEYS, "INFERENCE_NUM_THREADS", "NUM_STREAMS", "PERFORMANCE_HINT")
 
 
 def properties(threads: int, dtype: str) -> dict:
-    return {**{key: PRECISIONS[dtype][0] for key in PRECISION_KEYS}, "INFERENCE_NUM_THREADS": threads}
+    infer, kv, _ = PRECISIONS[dtype]
+    return {**{key: kv for key in KV_KEYS}, "INFERENCE_PRECISION_HINT": infer, "INFERENCE_NUM_THREADS": threads}
 
 
 def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> int:
@@ -44,7 +49,7 @@ def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * PRECISIONS[dtype][1]
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * PRECISIONS[dtype][2]
     tokens = sum(len(p) + max_new_tokens + 32 for p in prompts)  # + a page per request
     return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
 
