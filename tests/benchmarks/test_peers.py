@@ -101,3 +101,12 @@ def test_script_exits_before_any_work_without_the_venv(tmp_path):
     assert done.stderr.strip().startswith("peer virtualenv missing:")
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "cache").exists()
+
+
+def test_every_driver_dtype_is_a_precision_of_the_peer_script(peers):
+    tree = ast.parse(PEER.read_text())
+    (precisions,) = [ast.literal_eval(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "PRECISIONS" for t in node.targets)]
+    assert set(peers.ENGINE_SETTINGS) == set(precisions)
+    assert precisions["int8"][1] == "u8"  # OpenVINO's own 8-bit KV cache against kvgraph's int8 one
+    assert peers.ENGINE_SETTINGS["int8"]["kv_cache_dtype"] == "int8"
