@@ -268,7 +268,8 @@ def kvgraph_backend(
 
     ``options`` may set ``inner`` (default ``"inductor"``), ``prune_logits`` (default ``True``),
     ``dump``, ``freeze_weights`` (default ``False``), ``packed_linears`` (default ``True``) and
-    ``windows`` (each attention site's sliding window, ``None`` for plain causal); the cache layout comes from ``kvgraph.bind`` at call time.
+    ``windows`` (each attention site's sliding window, ``None`` for plain causal); the cache layout
+    comes from ``kvgraph.bind`` at call time.
 
     By name, Dynamo hands each graph to this function alone: a graph captured for one token
     (``T == 1``) cannot learn the windows of the same model's graph of several tokens. A model with

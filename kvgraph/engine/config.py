@@ -101,8 +101,8 @@ class EngineConfig:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.freeze_weights is not None:
             check_flags(freeze_weights=self.freeze_weights)
-        check_flags(enable_prefix_caching=self.enable_prefix_caching,
-                    packed_linears=self.packed_linears, trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
+        check_flags(enable_prefix_caching=self.enable_prefix_caching, packed_linears=self.packed_linears,
+                    trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head)
         check_dtype(self.dtype)
         check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)
