@@ -54,7 +54,8 @@ def log(text: str) -> None:
 def build(model, tokenizer, args, prefix_caching: bool = True) -> LLM:
     return LLM(
         model, tokenizer=tokenizer, max_batch_size=args.max_batch_size, max_seq_len=1024,
-        enable_prefix_caching=prefix_caching, dtype=DTYPES.get(args.dtype), freeze_weights=not args.no_freeze_weights,
+        enable_prefix_caching=prefix_caching, dtype=DTYPES.get(args.dtype),
+        freeze_weights=False if args.no_freeze_weights else None,  # None: the engine's default (auto)
     )
 
 
@@ -82,7 +83,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--requests", type=int, default=64, help="mixed (the others use half)")
     parser.add_argument("--no-freeze-weights", action="store_true",
-                        help="compile the weights as graph inputs (no freezing, no prepacked linears)")
+                        help="compile the weights as graph inputs (default: the engine's auto, which "
+                        "freezes unless kvgraph packs every linear layer itself)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default=",".join(w for w, _ in WORKLOADS))
