@@ -129,8 +129,8 @@ class KVCacheParams:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V (and their scales) for one token over all layers (and all devices)."""
-        scale_bytes = 0 if self.kvcache_quant_config is None else (
-            self.scales_per_head * torch.empty((), dtype=self.kvcache_quant_config.scale_dtype).element_size())
+        config = self.kvcache_quant_config
+        scale_bytes = 0 if config is None else self.scales_per_head * config.scale_dtype.itemsize
         return 2 * self.num_layers * self.n_kv_heads * (self.head_dim * self.dtype_bytes + scale_bytes)
 
     @property

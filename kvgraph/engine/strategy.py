@@ -19,7 +19,7 @@ from torch import nn
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.engine.config import EngineConfig, resolve_freeze_weights
-from kvgraph.engine.loading import make_manager, model_kv_params
+from kvgraph.engine.loading import make_manager, model_dtype, model_kv_params
 from kvgraph.engine.progress import CompileProgress
 from kvgraph.engine.quantization import quantize
 from kvgraph.engine.runner import ModelRunner
@@ -116,9 +116,9 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
     params = strategy.shard(model, params, config)
     manager = make_manager(params, config.max_batch_size, config.max_seq_len, config.kv_cache_memory_per_rank)
     shown = CompileProgress(config.compile) if config.progress else None
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    frozen = resolve_freeze_weights(config, model_dtype(model), device)
     compiled = backend.compile(
         model, manager=manager, inner=config.compile, packed_linears=config.packed_linears,
-        freeze_weights=resolve_freeze_weights(config, dtype, device), dump=shown.dump if shown else None,
+        freeze_weights=frozen, dump=shown.dump if shown else None,
     )
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))
