@@ -1,17 +1,18 @@
 """Weight-only quantization of a model's linear layers, applied to the module before capture.
 
 ``EngineConfig(quantization="int8-weight-only")`` stores the weight of every ``nn.Linear`` as
-int8 with one scale per output row (symmetric, per row: torchao's ``Int8WeightOnlyConfig``);
-activations, embeddings, norms and the KV cache keep the model's dtype. The module is quantized
-in place before ``kvgraph.compile`` sees it, so capture, the lowering passes and
-``kvgraph::ragged_attention`` are the same as for the unquantized model: Dynamo traces through
-torchao's weight subclass, AOTAutograd flattens it into its int8 data and scales (constants under
-``freeze_weights``), and Inductor matches ``mm(x, int8 weight -> bfloat16) * scale`` onto its int8
-weight-only matmul (``aten._weight_int8pack_mm``, reading one byte per weight).
+int8 with one scale per output row (symmetric, per row: torchao's ``Int8WeightOnlyConfig``
+quantizes it); activations, embeddings, norms and the KV cache keep the model's dtype. The module
+is quantized in place before ``kvgraph.compile`` sees it: each quantized layer becomes an
+:class:`Int8WeightOnlyLinear` holding torchao's int8 data and scales as buffers (constants under
+``freeze_weights``) and calling ``kvgraph::int8_weight_linear``
+(:mod:`kvgraph.ops.int8_linear`), which picks its kernel by the row count of each call: ATen's
+int8 matrix-vector kernel for a few rows, one bfloat16 GEMM over the weight converted for the
+call beyond that. Capture, the lowering passes and ``kvgraph::ragged_attention`` are the same as
+for the unquantized model; ``prune_logits`` prunes a quantized vocabulary projection as a plain one.
 
-That matmul takes bfloat16 activations only: with float32 (or float16) Inductor's freezing would
-fold the int8 weights back into float32 constants, and without freezing each call would convert
-every weight, so the other dtypes are refused (:data:`QUANTIZED_DTYPES`).
+The activations must be bfloat16 (:data:`QUANTIZED_DTYPES`): in float32 the per-call conversion of
+the weight would write four bytes per weight, more than the float32 model reads.
 
 The vocabulary projection (``lm_head``) is quantized only with ``quantize_lm_head=True``: its
 error reaches the logits directly, and with a tied embedding quantizing it unties the pair, which
@@ -27,6 +28,7 @@ from torch import nn
 
 from kvgraph.engine.loading import model_dtype
 from kvgraph.errors import ConfigError, require_extra
+from kvgraph.ops import int8_linear  # noqa: F401  (defines kvgraph::int8_weight_linear)
 
 QUANTIZATION_SCHEMES = ("int8-weight-only",)
 """The values of ``EngineConfig.quantization`` besides ``None`` (no quantization)."""
@@ -94,7 +96,55 @@ def quantize(model: nn.Module, scheme: str, *, lm_head: bool = False) -> nn.Modu
     # every later compile in the process.
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
               filter_fn=lambda module, name: id(module) in chosen_ids)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in chosen_ids:
+                setattr(parent, name, Int8WeightOnlyLinear.from_quantized(child))
     return model
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """A linear layer with an int8 weight ``[out, in]`` and one float32 scale per output row:
+    ``kvgraph::int8_weight_linear(x, weight_int8, weight_scale, bias)``.
+
+    ``weight`` gives the values the int8 data stands for (int8 times its scale), a new tensor in
+    the activations' dtype at each access; the module itself keeps only the int8 data.
+    """
+
+    def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: nn.Parameter | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.dtype = dtype
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = bias
+
+    @classmethod
+    def from_quantized(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        """The layer of ``linear`` whose weight torchao's ``Int8WeightOnlyConfig`` quantized
+        (an ``Int8Tensor``: int8 ``qdata``, per-row ``scale``, zero ``zero_point``)."""
+        weight = linear.weight
+        qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+        zero_point = getattr(weight, "zero_point", None)
+        rows = linear.out_features
+        if not (isinstance(qdata, torch.Tensor) and qdata.dtype == torch.int8 and isinstance(scale, torch.Tensor)
+                and scale.numel() == rows and (zero_point is None or not zero_point.any())):
+            raise ConfigError(
+                f"torchao quantized {type(linear).__name__}'s weight as {type(weight).__name__}, not as int8 data "
+                f"with one scale per output row and no zero point; this torchao version is not supported"
+            )
+        return cls(qdata.detach(), scale.detach().reshape(rows).to(torch.float32), linear.bias, weight.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return (self.weight_int8.to(torch.float32) * self.weight_scale[:, None]).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvgraph.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
 def output_projection(model: nn.Module) -> nn.Module | None:
@@ -112,17 +162,20 @@ def _tied(model: nn.Module, head: nn.Module) -> bool:
 
 
 def dequantized(model: nn.Module) -> nn.Module:
-    """Make every quantized weight of ``model`` a plain parameter again, in place; returns ``model``.
+    """Make every quantized layer of ``model`` a plain ``nn.Linear`` again, in place; returns ``model``.
 
-    The values are those the quantized weight stands for (int8 times its scale): a copy made this
-    way and cast to float64 is the exact model a quantized one rounds.
+    The weights are the values the quantized ones stand for (int8 times its scale): a copy made
+    this way and cast to float64 is the exact model a quantized one rounds.
     """
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if is_traceable_wrapper_subclass(p):
-                setattr(module, name, nn.Parameter(p.dequantize(), requires_grad=False))
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8WeightOnlyLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                   device=child.weight_int8.device, dtype=child.dtype)
+                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = child.bias
+                setattr(parent, name, linear)
     return model
 
 

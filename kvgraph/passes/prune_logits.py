@@ -32,6 +32,7 @@ from torch.fx.node import map_arg
 
 from kvgraph.cache.symbols import INDEX_DTYPE, LOGIT_POSITIONS, make_symints
 from kvgraph.errors import LoweringError
+from kvgraph.ops import int8_linear  # noqa: F401  (defines kvgraph::int8_weight_linear)
 from kvgraph.passes import patterns as P
 from kvgraph.passes.add_kv_inputs import graph_fake_mode, uncached
 from kvgraph.passes.graph_view import describe, meta_value
@@ -39,6 +40,9 @@ from kvgraph.passes.log import log_pass
 
 Node = torch.fx.Node
 _TANH = (frozenset({torch.tanh}), frozenset({"tanh"}))
+# a vocabulary projection: a linear layer, or an int8 weight-only one (kvgraph.engine.quantization)
+_PROJECTION = (P.LINEAR[0] | {torch.ops.kvgraph.int8_weight_linear, torch.ops.kvgraph.int8_weight_linear.default},
+               frozenset())
 
 
 @dataclass
@@ -129,7 +133,7 @@ def _chain_to_linear(out: Node, output: Node) -> list[Node] | None:
     """``[linear, ..., out]`` if ``out`` is a final linear followed only by per-token elementwise ops."""
     chain = [out]
     node = out
-    while not P.is_call(node, P.LINEAR):
+    while not P.is_call(node, _PROJECTION):
         if P.is_call(node, P.CASTS) or P.is_call(node, _TANH):
             node = node.args[0]
         elif (P.is_call(node, P.MUL) or P.is_call(node, P.DIV)) and len(node.args) == 2:

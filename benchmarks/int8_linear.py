@@ -1,0 +1,70 @@
+"""One int8 weight-only linear layer at every row count: ATen's int8 kernel, dequantize-then-GEMM,
+and ``kvgraph::int8_weight_linear`` (which picks one of the two by row count), beside a plain
+GEMM on the weight in the activations' dtype.
+
+    python benchmarks/int8_linear.py [--out 1408] [--in 512] [--dtype bfloat16] [--repeats 30]
+
+Median milliseconds per call and the op's largest relative difference from ATen's int8 kernel, as
+JSON. Every variant reads the same int8 weight and per-row scales; the timed calls are warm (the
+first three of each are not timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvgraph.ops import int8_linear
+
+ROWS = (1, 8, 16, 24, 32, 64, 128, 512, 2048)
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=int, default=1408)
+    parser.add_argument("--in", dest="in_features", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (args.out, args.in_features), dtype=torch.int8, generator=g)
+    scales = torch.rand(args.out, generator=g) / 127
+    plain = (weight.float() * scales[:, None]).to(dtype)
+    rows = []
+    for n in ROWS:
+        x = torch.randn(n, args.in_features, generator=g).to(dtype)
+        s = scales.to(dtype)
+        aten = torch.ops.aten._weight_int8pack_mm(x, weight, s).float()
+        ours = int8_linear.int8_weight_linear(x, weight, scales).float()
+        rows.append({
+            "rows": n,
+            "aten_int8_ms": median_ms(lambda x=x, s=s: torch.ops.aten._weight_int8pack_mm(x, weight, s), args.repeats),
+            "dequantize_gemm_ms": median_ms(lambda x=x, s=s: torch.mm(x, weight.to(dtype).mul_(s[:, None]).t()),
+                                            args.repeats),
+            "kvgraph_op_ms": median_ms(lambda x=x: int8_linear.int8_weight_linear(x, weight, scales), args.repeats),
+            "plain_gemm_ms": median_ms(lambda x=x: torch.mm(x, plain.t()), args.repeats),
+            "op_path": "aten int8" if n <= int8_linear.MATVEC_ROWS else "dequantize + GEMM",
+            "op_vs_aten_max_rel_diff": float((ours - aten).abs().max() / aten.abs().max()),
+        })
+    print(json.dumps({"out": args.out, "in": args.in_features, "dtype": args.dtype,
+                      "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""``kvgraph::int8_weight_linear``: ``(x @ W_int8.T) * scales + bias``, by ATen's int8 kernel for a
+few rows and by a GEMM over the dequantized weight beyond."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kvgraph.ops import int8_linear as Q
+
+
+def case(rows: int, out: int = 40, k: int = 32, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows, k, generator=g).to(dtype)
+    weight = torch.randint(-127, 128, (out, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(out, generator=g) / 127 + 1e-3
+    bias = torch.randn(out, generator=g).to(dtype)
+    return x, weight, scales, bias
+
+
+def exact(x, weight, scales, bias=None):
+    """The product in float64 of what the int8 data stands for, rounded once to x's dtype."""
+    out = x.double() @ (weight.double() * scales.double()[:, None]).T
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, Q.MATVEC_ROWS // 2, Q.MATVEC_ROWS // 2 + 1, 40, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_row_count_computes_the_dequantized_product(rows, dtype):
+    """rows are per x [2, rows, K]: 2 * rows in all, on both sides of MATVEC_ROWS."""
+    x, weight, scales, bias = case(rows, dtype=dtype)
+    tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(Q.int8_weight_linear(x, weight, scales, bias), exact(x, weight, scales, bias), **tol)
+    torch.testing.assert_close(Q.int8_weight_linear(x, weight, scales), exact(x, weight, scales), **tol)
+
+
+def test_the_row_count_picks_the_kernel(monkeypatch):
+    used = []
+    real = torch.ops.aten._weight_int8pack_mm
+
+    class Spy:
+        def __call__(self, *args):
+            used.append("aten")
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", Spy())
+    for rows in (Q.MATVEC_ROWS, Q.MATVEC_ROWS + 1):
+        x, weight, scales, _ = case(1)
+        Q.int8_weight_linear(torch.randn(rows, 32).bfloat16(), weight, scales)
+    assert used == ["aten"]  # MATVEC_ROWS rows: ATen's kernel; one more: the GEMM
+
+
+def test_the_two_kernels_agree_across_the_threshold():
+    """Rows on both sides of the threshold see the same weights: the same values to bf16 rounding."""
+    x, weight, scales, _ = case(Q.MATVEC_ROWS + 1)
+    rows = x.reshape(-1, x.shape[-1])
+    below = torch.cat([Q.int8_weight_linear(r[None], weight, scales) for r in rows])
+    above = Q.int8_weight_linear(rows, weight, scales)
+    torch.testing.assert_close(below, above, rtol=2e-2, atol=2e-2)
+
+
+def test_wrong_arguments_are_named():
+    x, weight, scales, bias = case(2)
+    with pytest.raises(ValueError, match=r"weight must be a 2-D int8 tensor, got torch\.float32"):
+        Q.int8_weight_linear(x, weight.float(), scales)
+    with pytest.raises(ValueError, match=r"last dim 31 is not the weight's K = 32"):
+        Q.int8_weight_linear(x[..., :31], weight, scales)
+    with pytest.raises(ValueError, match=r"scales must have shape \(40,\), got \(40, 1\)"):
+        Q.int8_weight_linear(x, weight, scales[:, None])
+    with pytest.raises(ValueError, match=r"bias must have shape \(40,\), got \(39,\)"):
+        Q.int8_weight_linear(x, weight, scales, bias[:39])
+
+
+def test_fake_impl_gives_the_shape():
+    with FakeTensorMode():
+        out = Q.int8_weight_linear(torch.empty(1, 5, 32, dtype=torch.bfloat16), torch.empty(40, 32, dtype=torch.int8),
+                                   torch.empty(40))
+    assert out.shape == (1, 5, 40) and out.dtype == torch.bfloat16
