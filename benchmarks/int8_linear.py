@@ -1,6 +1,6 @@
 """One int8 weight-only linear layer at every row count: ATen's int8 kernel, dequantize-then-GEMM,
-and ``kvgraph::int8_weight_linear`` (which picks one of the two by row count), beside a plain
-GEMM on the weight in the activations' dtype.
+and ``kvgraph::int8_weight_linear`` (which picks one of these or its fused kernel by row count),
+beside a plain GEMM on the weight in the activations' dtype.
 
     python benchmarks/int8_linear.py [--out 1408] [--in 512] [--dtype bfloat16] [--repeats 30]
 
@@ -59,7 +59,7 @@ def main() -> None:
                                             args.repeats),
             "kvgraph_op_ms": median_ms(lambda x=x: int8_linear.int8_weight_linear(x, weight, scales), args.repeats),
             "plain_gemm_ms": median_ms(lambda x=x: torch.mm(x, plain.t()), args.repeats),
-            "op_path": "aten int8" if n <= int8_linear.MATVEC_ROWS else "dequantize + GEMM",
+            "op_kernel": int8_linear.kernel_for(n, dtype, args.in_features),
             "op_vs_aten_max_rel_diff": float((ours - aten).abs().max() / aten.abs().max()),
         })
     print(json.dumps({"out": args.out, "in": args.in_features, "dtype": args.dtype,

@@ -1,6 +1,8 @@
-"""Build and load the C++ CPU kernel of ``kvgraph::ragged_attention`` (``csrc/ragged_attention_cpu.cpp``).
+"""Build and load kvgraph's C++ CPU kernels: ``kvgraph::ragged_attention``
+(``csrc/ragged_attention_cpu.cpp``) and the fused int8 weight-only linear layer of
+``kvgraph::int8_weight_linear`` (``csrc/int8_linear_cpu.cpp``), one library.
 
-The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
+The library is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
 compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself runs on this CPU
 (``torch.backends.cpu.get_cpu_capability()``), and cached in PyTorch's extension directory
 (``TORCH_EXTENSIONS_DIR``) under a name keyed by the source, flags and torch install
@@ -37,6 +39,8 @@ from kvgraph.ops.schema import SCHEMA, AttentionArgs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
+INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
+INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 ENV = "KVGRAPH_CPU_ATTENTION"
 CHOICES = ("auto", "cpp", "sdpa", "reference")
 # SIMD flags per PyTorch CPU capability; ATen's vectorized types follow CPU_CAPABILITY_*.
@@ -89,14 +93,20 @@ def build() -> None:
         with _path_with(ninja_dir):
             cpp_extension.load(
                 name=extension_name(level, flags),
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in sources()],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )
     except Exception as e:  # the compiler's or loader's message, whatever its type
-        raise CppKernelError(f"building the C++ CPU attention kernel ({SOURCE.name}, {level}) failed: {e}") from e
+        names = ", ".join(source.name for source in sources())
+        raise CppKernelError(f"building the C++ CPU attention kernel ({names}, {level}) failed: {e}") from e
+
+
+def sources() -> tuple[Path, Path]:
+    """The library's C++ sources: the attention kernel and the int8 linear layer."""
+    return SOURCE, INT8_SOURCE
 
 
 def _define_schema() -> None:
@@ -106,6 +116,7 @@ def _define_schema() -> None:
     if _library is None:
         library = torch.library.Library("kvgraph_cpu", "DEF")
         library.define("ragged_attention" + SCHEMA)
+        library.define("int8_linear_bf16" + INT8_SCHEMA)
         _library = library
 
 
@@ -117,7 +128,7 @@ def extension_name(level: str, flags: list[str]) -> str:
     checkouts or two torch installs would rewrite each other's build and recompile it at every
     start. Keyed, each distinct build is compiled once and every later process only loads it."""
     key = hashlib.blake2b(digest_size=6)
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(),
+    for part in (*(source.read_bytes() for source in sources()), " ".join(flags).encode(), torch.__version__.encode(),
                  os.path.dirname(torch.__file__).encode()):
         key.update(part)
         key.update(b"\0")
@@ -163,30 +174,49 @@ def available() -> bool:
     wanted = choice()
     if wanted in ("sdpa", "reference"):
         return False
+    error = _load()
+    if error is not None and wanted == "cpp":
+        raise CppKernelError(str(error))
+    if error is not None and not _state.get("warned"):
+        _state["warned"] = True
+        message = f"{error}; kvgraph falls back to the slower SDPA attention path on the CPU"
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return error is None
+
+
+def _load() -> CppKernelError | None:
+    """Build and load the library once per process (one attempt, also when it fails): the build's error or ``None``."""
     if "ok" not in _state:
-        try:
-            _kernel()
-        except CppKernelError as e:
-            _state["ok"], _state["error"] = False, e
-            if wanted == "auto":
-                message = f"{e}; kvgraph falls back to the slower SDPA attention path on the CPU"
-                logger.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-    if not _state["ok"] and wanted == "cpp":
-        raise CppKernelError(str(_state["error"]))
-    return bool(_state["ok"])
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    build()
+                    _state["ok"] = True
+                except CppKernelError as e:
+                    _state["ok"], _state["error"] = False, e
+    return _state.get("error")
 
 
 def _kernel():
     """``torch.ops.kvgraph_cpu.ragged_attention.default``, built and loaded once per process."""
-    kernel = _state.get("kernel")
-    if kernel is None:
-        with _lock:
-            if "kernel" not in _state:
-                build()
-                _state["ok"], _state["kernel"] = True, torch.ops.kvgraph_cpu.ragged_attention.default
-            kernel = _state["kernel"]
-    return kernel
+    error = _load()
+    if error is not None:
+        raise CppKernelError(str(error))
+    return torch.ops.kvgraph_cpu.ragged_attention.default
+
+
+def int8_kernel():
+    """``torch.ops.kvgraph_cpu.int8_linear_bf16.default`` (built with the attention kernel on first
+    use, whatever ``KVGRAPH_CPU_ATTENTION`` chooses), or ``None`` if the library cannot be built:
+    ``kvgraph::int8_weight_linear`` then runs without it (the reason is logged once)."""
+    error = _load()
+    if error is not None:
+        if not _state.get("int8_logged"):
+            _state["int8_logged"] = True
+            logger.info("%s; kvgraph::int8_weight_linear runs without its fused kernel", error)
+        return None
+    return torch.ops.kvgraph_cpu.int8_linear_bf16.default
 
 
 def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:

@@ -4,12 +4,18 @@
 -> [..., N]`` is ``(x @ weight.T) * scales + bias`` in ``x``'s dtype; the product is what ATen's
 ``_weight_int8pack_mm`` computes.
 That kernel reads one byte per weight but multiplies a row at a time: on an AVX-512/AMX host it
-is faster than dequantizing up to ~24 rows (3-5x at 1 row), 1.3x slower at 32 rows, 2.2x at 64
-and ~10x at 2048 (``benchmarks/int8_linear.py``). So the op routes by the row count of the call:
+is 3-10x faster than dequantizing the weight at 1 row, 1.3x slower at 32 rows, 2.2x at 64 and
+~10x at 2048 (``benchmarks/int8_linear.py``). So the op routes by the row count of the call:
 
-- at most :data:`MATVEC_ROWS` rows (a small decode batch, bandwidth-bound): ATen's int8 kernel;
-- more rows: the weight dequantized to ``x``'s dtype (int8 times its row's scale, rounded once,
-  as torchao's own dequantization), then one GEMM (oneDNN, AMX in bfloat16). The
+- up to :data:`FUSED_MIN_ROWS` - 1 rows (batch-1 decode, bound by weight reads): ATen's kernel;
+- :data:`FUSED_MIN_ROWS` .. :data:`FUSED_MAX_ROWS` rows (a decode batch), bfloat16 activations,
+  an AVX-512 CPU: kvgraph's fused kernel (``csrc/int8_linear_cpu.cpp``): 64 weight rows at a
+  time converted to bfloat16 in the core's cache and multiplied by oneDNN's brgemm microkernel
+  (AMX where present), each weight read once as one byte; 2.5-5x faster than ATen's kernel at
+  16-64 rows. Without it (no C++ compiler, another CPU, float32), up to :data:`MATVEC_ROWS` rows
+  go to ATen's kernel;
+- more rows (a prefill): the weight dequantized to ``x``'s dtype (int8 times its row's scale,
+  rounded once, as torchao's own dequantization), then one GEMM (oneDNN, AMX in bfloat16). The
   dequantized copy lives for the call only, so the model keeps its int8 footprint.
 
 :func:`kvgraph.engine.quantization.quantize` gives every quantized linear layer this op, so the
@@ -19,8 +25,16 @@ at each call, where the step's row count is known.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from kvgraph.ops import cpp
+
+logger = logging.getLogger(__name__)
+
+FUSED_MIN_ROWS = 9  # below, ATen's int8 kernel is as fast as the fused one (1408 x 512: 8 rows 0.098 vs 0.092 ms)
+FUSED_MAX_ROWS = 64  # the fused kernel's limit: one microkernel per row count up to here
 MATVEC_ROWS = 24  # up to here ATen's int8 matrix-vector kernel wins (bf16, 1408 x 512: 16 rows 0.17 vs
 # 0.22 ms, 32 rows 0.32 vs 0.25 ms; benchmarks/int8_linear.py)
 
@@ -50,12 +64,58 @@ def _finish(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+_fused_state: dict[str, object] = {}
+
+
+def fused_kernel():
+    """``torch.ops.kvgraph_cpu.int8_linear_bf16.default`` where it runs (kvgraph's C++ library
+    built for AVX-512, and its product checked once against the dequantized one), else ``None``."""
+    if "kernel" not in _fused_state:
+        kernel = cpp.int8_kernel() if cpp.capability() == "AVX512" else None
+        if kernel is not None and not _fused_agrees(kernel):
+            kernel = None
+        _fused_state["kernel"] = kernel
+    return _fused_state["kernel"]
+
+
+def _fused_agrees(kernel) -> bool:
+    """Whether the fused kernel runs on this CPU and gives the dequantized product (to bf16 rounding)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(FUSED_MIN_ROWS, 32, generator=g).bfloat16()
+    weight = torch.randint(-127, 128, (70, 32), dtype=torch.int8, generator=g)
+    scales = torch.rand(70, generator=g) / 127
+    try:
+        got = kernel(x, weight, scales, None).float()
+    except RuntimeError as e:  # oneDNN has no bfloat16 microkernel for this CPU
+        logger.warning("kvgraph's fused int8 linear kernel does not run here (%s); ATen's kernels serve instead", e)
+        return False
+    want = x.double() @ (weight.double() * scales.double()[:, None]).T
+    if torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2 * max(want.abs().max().item(), 1.0)):
+        return True
+    logger.warning("kvgraph's fused int8 linear kernel disagrees with the dequantized product; ATen's kernels serve instead")
+    return False
+
+
+def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
+    """Which kernel the op runs on the CPU for ``rows`` rows of ``dtype`` activations with ``k``
+    input features: ``"fused"``, ``"aten"`` (``_weight_int8pack_mm``) or ``"dequantize"`` (a GEMM
+    over the weight dequantized for the call)."""
+    if FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and dtype is torch.bfloat16 and k % 2 == 0 and fused_kernel():
+        return "fused"
+    return "aten" if rows <= MATVEC_ROWS else "dequantize"
+
+
 @torch.library.impl(_LIB, "int8_weight_linear", "CPU")
 def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, weight, scales, bias)
     x2d = x.reshape(-1, x.shape[-1])
-    if x2d.shape[0] <= MATVEC_ROWS:
+    kernel = kernel_for(x2d.shape[0], x2d.dtype, x2d.shape[1])
+    if kernel == "fused":
+        out = fused_kernel()(x2d.contiguous(), weight.contiguous(), scales.float().contiguous(),
+                             None if bias is None else bias.to(torch.bfloat16).contiguous())
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if kernel == "aten":
         out = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), weight, scales.to(x.dtype))
     else:
         out = _dequantized_product(x2d, weight, scales)

@@ -89,7 +89,7 @@ def test_the_build_name_is_keyed_by_source_flags_and_torch(monkeypatch, tmp_path
     assert cpp.extension_name("AVX2", ["-O2", "-mavx2"]) != name
     edited = tmp_path / "ragged_attention_cpu.cpp"
     edited.write_bytes(cpp.SOURCE.read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpp, "SOURCE", edited)
+    monkeypatch.setattr(cpp, "SOURCE", edited)  # one of the sources: the build is keyed by all
     assert cpp.extension_name("AVX2", flags) != name  # another checkout's source: its own build
 
 

@@ -33,7 +33,55 @@ def test_every_row_count_computes_the_dequantized_product(rows, dtype):
     torch.testing.assert_close(Q.int8_weight_linear(x, weight, scales), exact(x, weight, scales), **tol)
 
 
-def test_the_row_count_picks_the_kernel(monkeypatch):
+@pytest.fixture
+def without_fused(monkeypatch):
+    """As on a CPU where the fused kernel does not run."""
+    monkeypatch.setitem(Q._fused_state, "kernel", None)
+
+
+needs_fused = pytest.mark.skipif(Q.fused_kernel() is None, reason="needs the fused kernel (AVX-512, C++ library)")
+
+
+@needs_fused
+@pytest.mark.parametrize("rows", [Q.FUSED_MIN_ROWS, 17, Q.FUSED_MAX_ROWS])
+@pytest.mark.parametrize("out", [64, 130, 7])
+def test_the_fused_kernel_computes_the_dequantized_product(rows, out):
+    g = torch.Generator().manual_seed(rows + out)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    weight = torch.randint(-127, 128, (out, 96), dtype=torch.int8, generator=g)
+    scales, bias = torch.rand(out, generator=g) / 127 + 1e-3, torch.randn(out, generator=g).bfloat16()
+    assert Q.kernel_for(rows, torch.bfloat16, 96) == "fused"
+    for b in (bias, None):
+        torch.testing.assert_close(Q.int8_weight_linear(x, weight, scales, b), exact(x, weight, scales, b),
+                                   rtol=2e-2, atol=5e-2)
+
+
+@needs_fused
+def test_the_fused_kernel_names_a_wrong_argument():
+    kernel = Q.fused_kernel()
+    x, weight, scales = torch.randn(9, 32).bfloat16(), torch.zeros(70, 32, dtype=torch.int8), torch.ones(70)
+    with pytest.raises(RuntimeError, match="1..64 rows, got 65"):
+        kernel(torch.randn(65, 32).bfloat16(), weight, scales, None)
+    with pytest.raises(RuntimeError, match="K must be even"):
+        kernel(torch.randn(9, 31).bfloat16(), torch.zeros(70, 31, dtype=torch.int8), scales, None)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous float32 of 70"):
+        kernel(x, weight, scales.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D bfloat16"):
+        kernel(x.float(), weight, scales, None)
+
+
+def test_the_kernel_follows_rows_dtype_and_k():
+    fused = Q.fused_kernel() is not None
+    mid = "fused" if fused else "aten"
+    assert Q.kernel_for(Q.FUSED_MIN_ROWS - 1, torch.bfloat16, 32) == "aten"
+    assert Q.kernel_for(Q.FUSED_MIN_ROWS, torch.bfloat16, 32) == mid
+    assert Q.kernel_for(Q.FUSED_MAX_ROWS, torch.bfloat16, 32) == ("fused" if fused else "dequantize")
+    assert Q.kernel_for(Q.FUSED_MAX_ROWS + 1, torch.bfloat16, 32) == "dequantize"
+    assert Q.kernel_for(Q.FUSED_MIN_ROWS, torch.bfloat16, 31) == "aten"  # odd K: no VNNI pairs
+    assert Q.kernel_for(Q.MATVEC_ROWS + 1, torch.float32, 32) == "dequantize"
+
+
+def test_without_the_fused_kernel_the_row_count_picks_aten_or_the_gemm(monkeypatch, without_fused):
     used = []
     real = torch.ops.aten._weight_int8pack_mm
 
