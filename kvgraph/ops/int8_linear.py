@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 FUSED_MIN_ROWS = 9  # below, ATen's int8 kernel is as fast as the fused one (1408 x 512: 8 rows 0.098 vs 0.092 ms)
 FUSED_MAX_ROWS = 64  # the fused kernel's limit: one microkernel per row count up to here
-MATVEC_ROWS = 24  # up to here ATen's int8 matrix-vector kernel wins (bf16, 1408 x 512: 16 rows 0.17 vs
-# 0.22 ms, 32 rows 0.32 vs 0.25 ms; benchmarks/int8_linear.py)
+MATVEC_ROWS = 48  # without the fused kernel, ATen's int8 kernel up to here (bf16, 1408 x 512: 32 rows 0.32 vs
+# 0.44 ms dequantizing, 64 rows 0.64 vs 0.51 ms; benchmarks/int8_linear.py)
 
 _LIB = torch.library.Library("kvgraph", "FRAGMENT")
 _LIB.define("int8_weight_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor")
@@ -54,8 +54,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: to
 
 
 def _dequantized_product(x2d: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # int8 -> x's dtype is exact; times the row's scale, rounded once (as torchao's dequantize)
-    return torch.mm(x2d, weight.to(x2d.dtype).mul_(scales.to(x2d.dtype)[:, None]).t())
+    # int8 times the row's float32 scale, rounded once to x's dtype: torchao's own dequantization
+    dequantized = weight.to(torch.float32).mul_(scales.float()[:, None]).to(x2d.dtype)
+    return torch.mm(x2d, dequantized.t())
 
 
 def _finish(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
