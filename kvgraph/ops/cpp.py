@@ -101,7 +101,7 @@ def build() -> None:
             )
     except Exception as e:  # the compiler's or loader's message, whatever its type
         names = ", ".join(source.name for source in sources())
-        raise CppKernelError(f"building the C++ CPU attention kernel ({names}, {level}) failed: {e}") from e
+        raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
 
 
 def sources() -> tuple[Path, Path]:

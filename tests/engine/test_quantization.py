@@ -101,6 +101,11 @@ def test_linear_weights_become_int8_and_the_lm_head_only_on_request(preset):
     assert weight_bytes(full) < weight_bytes(body) < 0.7 * weight_bytes(plain)
 
 
+def test_a_weight_torchao_did_not_quantize_per_row_is_refused():
+    with pytest.raises(ConfigError, match=r"torchao quantized Linear's weight as Parameter, not as int8 data"):
+        Int8WeightOnlyLinear.from_quantized(torch.nn.Linear(4, 3))
+
+
 def test_a_dequantized_copy_computes_what_the_quantized_model_does():
     model = bf16("llama-tiny", SCHEME, lm_head=True)
     plain = dequantized(copy.deepcopy(model))
