@@ -134,7 +134,8 @@ class Int8WeightOnlyLinear(nn.Module):
                 f"torchao quantized {type(linear).__name__}'s weight as {type(weight).__name__}, not as int8 data "
                 f"with one scale per output row and no zero point; this torchao version is not supported"
             )
-        return cls(qdata.detach(), scale.detach().reshape(rows).to(torch.float32), linear.bias, weight.dtype)
+        return cls(qdata.detach().contiguous(), scale.detach().reshape(rows).to(torch.float32).contiguous(),
+                   linear.bias, weight.dtype)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -109,13 +109,21 @@ def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
 @torch.library.impl(_LIB, "int8_weight_linear", "CPU")
 def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    # every quantized linear of every step: the fused kernel's path first, with the fewest calls
     _check(x, weight, scales, bias)
-    x2d = x.reshape(-1, x.shape[-1])
-    kernel = kernel_for(x2d.shape[0], x2d.dtype, x2d.shape[1])
-    if kernel == "fused":
-        out = fused_kernel()(x2d.contiguous(), weight.contiguous(), scales.float().contiguous(),
-                             None if bias is None else bias.to(torch.bfloat16).contiguous())
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    fused = _fused_state.get("kernel", False)
+    if (FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and x.dtype is torch.bfloat16 and k % 2 == 0
+            and (fused if fused is not False else fused_kernel()) is not None):
+        if scales.dtype is not torch.float32 or not weight.is_contiguous():
+            weight, scales = weight.contiguous(), scales.float().contiguous()
+        if bias is not None and bias.dtype is not torch.bfloat16:
+            bias = bias.to(torch.bfloat16)
+        out = _fused_state["kernel"](x.reshape(rows, k).contiguous(), weight, scales, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
+    x2d = x.reshape(-1, k)
+    kernel = kernel_for(x2d.shape[0], x2d.dtype, k)
     if kernel == "aten":
         out = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), weight, scales.to(x.dtype))
     else:

@@ -110,3 +110,5 @@ def test_every_driver_dtype_is_a_precision_of_the_peer_script(peers):
     assert set(peers.ENGINE_SETTINGS) == set(precisions)
     assert precisions["int8"][1] == "u8"  # OpenVINO's own 8-bit KV cache against kvgraph's int8 one
     assert peers.ENGINE_SETTINGS["int8"]["kv_cache_dtype"] == "int8"
+    # OpenVINO's int8 export compresses the vocabulary projection too: kvgraph quantizes its lm_head
+    assert peers.ENGINE_SETTINGS["int8"]["quantize_lm_head"] is True

@@ -76,7 +76,16 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
   }
   at::Tensor y = at::empty({m, n}, x.options());
   // B = x^T as VNNI pairs: int32 [K/2, M], each element two consecutive bfloat16 of one row of x
-  const at::Tensor xt = x.view(at::kInt).t().contiguous();
+  // (a plain loop: a few thousand elements, where a strided ATen copy costs more than the move)
+  const int64_t pairs = k / 2;
+  at::Tensor xt = at::empty({pairs, m}, x.options().dtype(at::kInt));
+  {
+    const auto* src = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
+    int32_t* dst = xt.data_ptr<int32_t>();
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t p = 0; p < pairs; ++p) dst[p * m + i] = src[i * pairs + p];
+    }
+  }
   const auto* b = reinterpret_cast<const at::BFloat16*>(xt.data_ptr<int32_t>());
   const int8_t* w = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
