@@ -101,29 +101,28 @@ def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
     """Which kernel the op runs on the CPU for ``rows`` rows of ``dtype`` activations with ``k``
     input features: ``"fused"``, ``"aten"`` (``_weight_int8pack_mm``) or ``"dequantize"`` (a GEMM
     over the weight dequantized for the call)."""
-    if FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and dtype is torch.bfloat16 and k % 2 == 0 and fused_kernel():
-        return "fused"
+    if FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and dtype is torch.bfloat16 and k % 2 == 0:
+        fused = _fused_state["kernel"] if "kernel" in _fused_state else fused_kernel()
+        if fused is not None:
+            return "fused"
     return "aten" if rows <= MATVEC_ROWS else "dequantize"
 
 
 @torch.library.impl(_LIB, "int8_weight_linear", "CPU")
 def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    # every quantized linear of every step: the fused kernel's path first, with the fewest calls
+    # every quantized linear of every step: few Python calls on the way to the kernel
     _check(x, weight, scales, bias)
     k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    fused = _fused_state.get("kernel", False)
-    if (FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and x.dtype is torch.bfloat16 and k % 2 == 0
-            and (fused if fused is not False else fused_kernel()) is not None):
+    x2d = x.reshape(-1, k)
+    kernel = kernel_for(x2d.shape[0], x.dtype, k)
+    if kernel == "fused":
         if scales.dtype is not torch.float32 or not weight.is_contiguous():
             weight, scales = weight.contiguous(), scales.float().contiguous()
         if bias is not None and bias.dtype is not torch.bfloat16:
             bias = bias.to(torch.bfloat16)
-        out = _fused_state["kernel"](x.reshape(rows, k).contiguous(), weight, scales, bias)
+        out = _fused_state["kernel"](x2d.contiguous(), weight, scales, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
-    x2d = x.reshape(-1, k)
-    kernel = kernel_for(x2d.shape[0], x2d.dtype, k)
     if kernel == "aten":
         out = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), weight, scales.to(x.dtype))
     else:
