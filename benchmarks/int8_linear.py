@@ -13,25 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from linear import median_ms  # benchmarks/linear.py: warm calls, then the median of the timed ones
 
 from kvgraph.ops import int8_linear
 
 ROWS = (1, 8, 16, 24, 32, 64, 128, 512, 2048)
-
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(times), 4)
 
 
 def main() -> None:
@@ -46,6 +34,9 @@ def main() -> None:
     weight = torch.randint(-127, 128, (args.out, args.in_features), dtype=torch.int8, generator=g)
     scales = torch.rand(args.out, generator=g) / 127
     plain = (weight.float() * scales[:, None]).to(dtype)
+    def ms(fn) -> float:
+        return round(median_ms(fn, args.repeats), 4)
+
     rows = []
     for n in ROWS:
         x = torch.randn(n, args.in_features, generator=g).to(dtype)
@@ -54,11 +45,10 @@ def main() -> None:
         ours = int8_linear.int8_weight_linear(x, weight, scales).float()
         rows.append({
             "rows": n,
-            "aten_int8_ms": median_ms(lambda x=x, s=s: torch.ops.aten._weight_int8pack_mm(x, weight, s), args.repeats),
-            "dequantize_gemm_ms": median_ms(
-                lambda x=x: torch.mm(x, weight.to(torch.float32).mul_(scales[:, None]).to(dtype).t()), args.repeats),
-            "kvgraph_op_ms": median_ms(lambda x=x: int8_linear.int8_weight_linear(x, weight, scales), args.repeats),
-            "plain_gemm_ms": median_ms(lambda x=x: torch.mm(x, plain.t()), args.repeats),
+            "aten_int8_ms": ms(lambda x=x, s=s: torch.ops.aten._weight_int8pack_mm(x, weight, s)),
+            "dequantize_gemm_ms": ms(lambda x=x: torch.mm(x, weight.to(torch.float32).mul_(scales[:, None]).to(dtype).t())),
+            "kvgraph_op_ms": ms(lambda x=x: int8_linear.int8_weight_linear(x, weight, scales)),
+            "plain_gemm_ms": ms(lambda x=x: torch.mm(x, plain.t())),
             "op_kernel": int8_linear.kernel_for(n, dtype, args.in_features),
             "op_vs_aten_max_rel_diff": float((ours - aten).abs().max() / aten.abs().max()),
         })
