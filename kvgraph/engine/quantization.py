@@ -7,12 +7,13 @@ is quantized in place before ``kvgraph.compile`` sees it: each quantized layer b
 :class:`Int8WeightOnlyLinear` holding torchao's int8 data and scales as buffers (constants under
 ``freeze_weights``) and calling ``kvgraph::int8_weight_linear``
 (:mod:`kvgraph.ops.int8_linear`), which picks its kernel by the row count of each call: ATen's
-int8 matrix-vector kernel for a few rows, one bfloat16 GEMM over the weight converted for the
-call beyond that. Capture, the lowering passes and ``kvgraph::ragged_attention`` are the same as
+int8 matrix-vector kernel for a few rows, kvgraph's fused C++ kernel for a decode batch, one
+bfloat16 GEMM over the weight dequantized for the call beyond that. Capture, the lowering passes and ``kvgraph::ragged_attention`` are the same as
 for the unquantized model; ``prune_logits`` prunes a quantized vocabulary projection as a plain one.
 
-The activations must be bfloat16 (:data:`QUANTIZED_DTYPES`): in float32 the per-call conversion of
-the weight would write four bytes per weight, more than the float32 model reads.
+The activations must be bfloat16 (:data:`QUANTIZED_DTYPES`): the fused kernel takes bfloat16, and
+in float32 the per-call dequantization would write four bytes per weight, more than the float32
+model reads.
 
 The vocabulary projection (``lm_head``) is quantized only with ``quantize_lm_head=True``: its
 error reaches the logits directly, and with a tied embedding quantizing it unties the pair, which

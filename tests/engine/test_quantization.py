@@ -106,11 +106,15 @@ def test_a_weight_torchao_did_not_quantize_per_row_is_refused():
         Int8WeightOnlyLinear.from_quantized(torch.nn.Linear(4, 3))
 
 
-def test_a_dequantized_copy_computes_what_the_quantized_model_does():
-    model = bf16("llama-tiny", SCHEME, lm_head=True)
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])  # qwen2: q, k and v have a bias
+@pytest.mark.parametrize("tokens", [4, 16, 100])  # ATen's int8 kernel, the fused one, dequantize + GEMM
+def test_a_dequantized_copy_computes_what_the_quantized_model_does(preset, tokens):
+    model = bf16(preset, SCHEME, lm_head=True)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int8WeightOnlyLinear) and (q_proj.bias is not None) == (preset == "qwen2-tiny")
     plain = dequantized(copy.deepcopy(model))
     assert all(type(p) is torch.nn.Parameter for p in plain.parameters())
-    ids = token_stream(16)
+    ids = token_stream(tokens)
     with torch.no_grad():
         a, b = model(torch.tensor([ids])).logits, plain(torch.tensor([ids])).logits
     torch.testing.assert_close(a, b, atol=0.05, rtol=0)  # the same product, rounded apart in bf16
