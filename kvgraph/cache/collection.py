@@ -18,7 +18,7 @@ import abc
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
-from kvgraph.cache.quant import dequantize, quantize
+from kvgraph.cache.quant import dequantize, quantize, scales_shape_problem
 from kvgraph.errors import CacheInputError
 
 KEY, VALUE = 0, 1  # axis 1 of the blocks tensor
@@ -255,11 +255,9 @@ class _Collection:
                 f"cache_lengths must be [batch] with the lookup_table's batch {lookup.shape[0]}, "
                 f"got shape {tuple(cache_lengths.shape)}"
             )
-        if kv_scales is not None and (kv_scales.dim() != 6 or kv_scales.shape[:5] != blocks.shape[:5]):
-            raise CacheInputError(
-                f"kv_scales must be blocks' [N, 2, num_layers, rows, Hkv] with a last dim of scales, got shape "
-                f"{tuple(kv_scales.shape)} for blocks {tuple(blocks.shape)}"
-            )
+        problem = None if kv_scales is None else scales_shape_problem(tuple(blocks.shape), tuple(kv_scales.shape))
+        if problem is not None:
+            raise CacheInputError(problem)
         self.blocks = blocks
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table

@@ -80,6 +80,27 @@ def check_storage(dtype: torch.dtype, config: KVCacheQuantizationConfig | None) 
         )
 
 
+def scales_shape_problem(blocks_shape: tuple, scales_shape: tuple) -> str | None:
+    """Why ``kv_scales`` of ``scales_shape`` cannot hold the scales of ``kv_blocks`` of ``blocks_shape``
+    (``kv_blocks``' shape but the last dim, and a last dim dividing head_dim), or ``None`` if it can.
+
+    The one shape rule of the scales, for the collection, the runtime's binding and the op's plan,
+    each of which raises its own error type with this text. Symbolic sizes (while tracing) are not
+    compared, so that the check adds no guards.
+    """
+
+    def differ(a, b) -> bool:
+        return isinstance(a, int) and isinstance(b, int) and a != b
+
+    if len(scales_shape) != 6 or len(blocks_shape) != 6 or any(map(differ, scales_shape[:5], blocks_shape[:5])):
+        return (f"kv_scales shape {tuple(scales_shape)} must be kv_blocks' {tuple(blocks_shape[:5])} "
+                f"with a last dim of scales")
+    groups, head_dim = scales_shape[5], blocks_shape[5]
+    if isinstance(groups, int) and isinstance(head_dim, int) and (groups < 1 or head_dim % groups):
+        return f"kv_scales has {groups} scales per row, which does not divide head_dim {head_dim}"
+    return None
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` (floating) as ``(q [..., D] dtype, scales [..., D // group] float32)``."""
     xg = x.float().unflatten(-1, (-1, group))  # [..., D // group, group]

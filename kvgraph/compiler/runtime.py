@@ -26,6 +26,7 @@ import torch
 
 from kvgraph.cache.inputs import KVCacheInputsSequence, RaggedKVCacheInputs
 from kvgraph.cache.params import KVCacheParams, KVCacheStrategy
+from kvgraph.cache.quant import scales_shape_problem
 from kvgraph.cache.symbols import (
     INDEX_DTYPE,
     KV_PLACEHOLDERS,
@@ -173,12 +174,9 @@ def _check_structure(kv: RaggedKVCacheInputs, input_row_offsets: object) -> None
             f"input_row_offsets is on {input_row_offsets.device} but the cache blocks are on {blocks.device}"
         )
     scales = kv.kv_scales
-    if scales is not None and (scales.dim() != 6 or scales.shape[:5] != blocks.shape[:5] or scales.shape[5] < 1
-                               or blocks.shape[5] % scales.shape[5]):
-        raise BindingError(
-            f"kv_scales must be the blocks' {tuple(blocks.shape[:5])} with a last dim dividing head_dim "
-            f"{blocks.shape[5]}, got shape {tuple(scales.shape)}"
-        )
+    problem = None if scales is None else scales_shape_problem(tuple(blocks.shape), tuple(scales.shape))
+    if problem is not None:
+        raise BindingError(problem)
 
 
 def _check_positions(positions: object, input_row_offsets: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from kvgraph.cache.quant import STORAGE_DTYPES
+from kvgraph.cache.quant import STORAGE_DTYPES, scales_shape_problem
 from kvgraph.cache.symbols import INDEX_DTYPE
 from kvgraph.errors import CacheInputError
 from kvgraph.ops.schema import AttentionArgs
@@ -179,16 +179,12 @@ def _check_scales(kv_blocks: torch.Tensor, kv_scales: torch.Tensor) -> int | Non
         raise CacheInputError(f"kv_scales dtype {kv_scales.dtype} must be torch.float32")
     if kv_scales.device != kv_blocks.device:
         raise CacheInputError(f"kv_scales is on {kv_scales.device} but kv_blocks is on {kv_blocks.device}")
-    if kv_scales.dim() != 6 or any(_differ(a, b) for a, b in zip(kv_scales.shape[:5], kv_blocks.shape[:5], strict=True)):
-        raise CacheInputError(
-            f"kv_scales shape {tuple(kv_scales.shape)} must be kv_blocks' {tuple(kv_blocks.shape[:5])} "
-            f"with a last dim of scales"
-        )
+    problem = scales_shape_problem(tuple(kv_blocks.shape), tuple(kv_scales.shape))
+    if problem is not None:
+        raise CacheInputError(problem)
     groups, head_dim = kv_scales.shape[5], kv_blocks.shape[5]
     if not (isinstance(groups, int) and isinstance(head_dim, int)):
         return None
-    if groups < 1 or head_dim % groups:
-        raise CacheInputError(f"kv_scales has {groups} scales per row, which does not divide head_dim {head_dim}")
     return head_dim // groups
 
 

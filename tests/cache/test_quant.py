@@ -15,7 +15,7 @@ from kvgraph import (
     load_kv_manager,
 )
 from kvgraph.cache.collection import collection_for
-from kvgraph.cache.quant import QMAX, dequantize, quantize
+from kvgraph.cache.quant import QMAX, dequantize, quantize, scales_shape_problem
 from kvgraph.cache.symbols import kv_placeholders
 from tests.naming import raises_naming
 
@@ -200,3 +200,17 @@ def test_views_store_quantized_and_load_dequantized(strategy, dtype):
     assert torch.equal(padded[0, :3], held[:3]) and torch.equal(padded[1, :2], held[3:])
     assert not padded[0, 3:].any() and not padded[1, 2:].any()
     assert m.kv_scales.count_nonzero() > 0
+
+
+def test_one_rule_tells_a_wrong_scales_shape():
+    """The collection, the runtime's binding and the op's plan all raise with this text."""
+    blocks = (5, 2, 3, 16, 4, 64)
+    assert scales_shape_problem(blocks, (5, 2, 3, 16, 4, 1)) is None
+    assert scales_shape_problem(blocks, (5, 2, 3, 16, 4, 8)) is None
+    assert "must be kv_blocks' (5, 2, 3, 16, 4)" in scales_shape_problem(blocks, (5, 2, 3, 16, 4))
+    assert "must be kv_blocks' (5, 2, 3, 16, 4)" in scales_shape_problem(blocks, (5, 2, 3, 8, 4, 1))
+    assert scales_shape_problem(blocks, (5, 2, 3, 16, 4, 3)) == (
+        "kv_scales has 3 scales per row, which does not divide head_dim 64")
+    assert "does not divide" in scales_shape_problem(blocks, (5, 2, 3, 16, 4, 0))
+    symbolic = object()  # a size not known while tracing is not compared
+    assert scales_shape_problem((symbolic, 2, 3, 16, 4, 64), (7, 2, 3, 16, 4, 1)) is None
