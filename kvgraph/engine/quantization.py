@@ -97,11 +97,17 @@ def quantize(model: nn.Module, scheme: str, *, lm_head: bool = False) -> nn.Modu
     # every later compile in the process.
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
               filter_fn=lambda module, name: id(module) in chosen_ids)
+    _replace_layers(model, lambda child: Int8WeightOnlyLinear.from_quantized(child) if id(child) in chosen_ids else None)
+    return model
+
+
+def _replace_layers(model: nn.Module, replacement) -> None:
+    """Put ``replacement(child)`` in place of every submodule of ``model`` it returns a module for."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in chosen_ids:
-                setattr(parent, name, Int8WeightOnlyLinear.from_quantized(child))
-    return model
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -169,15 +175,18 @@ def dequantized(model: nn.Module) -> nn.Module:
     The weights are the values the quantized ones stand for (int8 times its scale): a copy made
     this way and cast to float64 is the exact model a quantized one rounds.
     """
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Int8WeightOnlyLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                   device=child.weight_int8.device, dtype=child.dtype)
-                linear.weight = nn.Parameter(child.weight, requires_grad=False)
-                if child.bias is not None:
-                    linear.bias = child.bias
-                setattr(parent, name, linear)
+
+    def plain(child: nn.Module) -> nn.Linear | None:
+        if not isinstance(child, Int8WeightOnlyLinear):
+            return None
+        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                           device=child.weight_int8.device, dtype=child.dtype)
+        linear.weight = nn.Parameter(child.weight, requires_grad=False)
+        if child.bias is not None:
+            linear.bias = child.bias
+        return linear
+
+    _replace_layers(model, plain)
     return model
 
 

@@ -102,8 +102,7 @@ def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
     input features: ``"fused"``, ``"aten"`` (``_weight_int8pack_mm``) or ``"dequantize"`` (a GEMM
     over the weight dequantized for the call)."""
     if FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and dtype is torch.bfloat16 and k % 2 == 0:
-        fused = _fused_state["kernel"] if "kernel" in _fused_state else fused_kernel()
-        if fused is not None:
+        if fused_kernel() is not None:
             return "fused"
     return "aten" if rows <= MATVEC_ROWS else "dequantize"
 
@@ -121,7 +120,7 @@ def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch
             weight, scales = weight.contiguous(), scales.float().contiguous()
         if bias is not None and bias.dtype is not torch.bfloat16:
             bias = bias.to(torch.bfloat16)
-        out = _fused_state["kernel"](x2d.contiguous(), weight, scales, bias)
+        out = fused_kernel()(x2d.contiguous(), weight, scales, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "aten":
         out = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), weight, scales.to(x.dtype))
