@@ -97,7 +97,14 @@ def _is_position_ids(source: Source) -> bool:
     if isinstance(source, LocalSource):
         return source.local_name == POSITION_IDS
     return (isinstance(source, DictGetItemSource) and source.index == POSITION_IDS
-            and isinstance(source.base, LocalSource) and source.base.is_varkw)
+            and isinstance(source.base, LocalSource) and _is_varkw(source.base))
+
+
+def _is_varkw(source: LocalSource) -> bool:
+    """Whether ``source`` is the frame's ``**kwargs``. Dynamo's sources say so in torch 2.13; where
+    they do not (torch 2.11), only the name tells (``kwargs``, as Hugging Face models and nanoGPT-style modules call it)."""
+    flag = getattr(source, "is_varkw", None)
+    return source.local_name == "kwargs" if flag is None else flag
 
 
 def source_location(node: torch.fx.Node) -> str:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.fx
 import torch.nn as nn
+from torch._dynamo.source import LocalSource
 
 from kvgraph.passes.graph_view import (
     GraphView,
+    _is_varkw,
     copy_graph,
     describe,
     is_shape_read,
@@ -114,3 +118,11 @@ def test_copy_graph_is_independent():
         copied.graph.call_function(torch.neg, (node,))
     copied.recompile()
     assert "tag" not in n["arange"].meta and "neg" not in gm.code
+
+
+def test_kwargs_is_recognised_with_and_without_dynamos_varkw_flag():
+    assert _is_varkw(LocalSource("extra", is_input=True, is_varkw=True))
+    assert not _is_varkw(LocalSource("kwargs", is_input=True, is_varkw=False))
+    # a torch whose LocalSource has no is_varkw (2.11): the frame's ``**kwargs`` by its name
+    assert _is_varkw(SimpleNamespace(local_name="kwargs"))
+    assert not _is_varkw(SimpleNamespace(local_name="position_ids"))

@@ -2,11 +2,15 @@
 
 On CUDA the prefill and decode kernels are autotuned per (padded head dim, query heads per
 KV head, page size, dtype, and whether scores are soft-capped). Under the CPU interpreter there is a single small config, so
-nothing is benchmarked and tests stay fast.
+nothing is benchmarked and tests stay fast. ``KVGRAPH_TRITON_AUTOTUNE=0`` makes CUDA take the first
+config each filter keeps, unbenchmarked: each new key then costs one compile instead of up to 27
+compiles and their timing runs (the GPU test suite sets it; see ``tests/ops/triton/conftest.py``).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import triton
@@ -18,6 +22,7 @@ MIN_ROWS = 64  # query rows (tokens x query heads of one KV head) of a prefill t
 MAX_ROWS = 128
 TILE_BYTES = 128 * 128 * 2  # largest [rows or keys, head_dim] operand tile: 128 x 128 in 16 bits
 
+AUTOTUNE_ENV = "KVGRAPH_TRITON_AUTOTUNE"
 PREFILL_KEY = ["HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE", "HAS_SOFTCAP"]
 DECODE_KEY = ["HEAD_DIM_PAD", "BLOCK_H", "PAGE_SIZE", "HAS_SOFTCAP"]
 
@@ -86,3 +91,17 @@ def prune_decode(configs: list[triton.Config], named_args: dict[str, Any], **kwa
         return nbytes <= TILE_BYTES and c.num_warps <= max(4, nbytes // 4096)
 
     return [c for c in configs if fits(c)]
+
+
+Prune = Callable[..., list[triton.Config]]
+
+
+def autotuned(prune: Prune) -> Prune:
+    """``prune`` as the kernels' ``early_config_prune``: every config it keeps, or only the first
+    when ``KVGRAPH_TRITON_AUTOTUNE=0`` (read at each new autotuning key)."""
+
+    def early_prune(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+        kept = prune(configs, named_args, **kwargs)
+        return kept if os.environ.get(AUTOTUNE_ENV, "1") != "0" else kept[:1]
+
+    return early_prune

@@ -8,11 +8,12 @@ context and writes an un-normalised partial output with its running max and sum;
 import triton
 import triton.language as tl
 
-from kvgraph.ops.triton.configs import DECODE_KEY, decode_configs, prune_decode
+from kvgraph.ops.triton.configs import DECODE_KEY, autotuned, decode_configs, prune_decode
 from kvgraph.ops.triton.tile_kernel import attend_tile, window_start
 
 
-@triton.autotune(configs=decode_configs(), key=DECODE_KEY, prune_configs_by={"early_config_prune": prune_decode})
+@triton.autotune(configs=decode_configs(), key=DECODE_KEY,
+                 prune_configs_by={"early_config_prune": autotuned(prune_decode)})
 @triton.jit(do_not_specialize=["window"])  # one compiled variant whatever the window
 def decode_split_kernel(
     Q, PartAcc, PartMax, PartSum,

@@ -3,11 +3,12 @@
 import triton
 import triton.language as tl
 
-from kvgraph.ops.triton.configs import PREFILL_KEY, prefill_configs, prune_prefill
+from kvgraph.ops.triton.configs import PREFILL_KEY, autotuned, prefill_configs, prune_prefill
 from kvgraph.ops.triton.tile_kernel import attend_tile, locate_block, window_start
 
 
-@triton.autotune(configs=prefill_configs(), key=PREFILL_KEY, prune_configs_by={"early_config_prune": prune_prefill})
+@triton.autotune(configs=prefill_configs(), key=PREFILL_KEY,
+                 prune_configs_by={"early_config_prune": autotuned(prune_prefill)})
 @triton.jit(do_not_specialize=["window"])  # one compiled variant whatever the window
 def prefill_kernel(
     Q, Out,

@@ -65,3 +65,13 @@ def test_decode_key_tiles_fit(cuda_spaces, head_dim_pad, dtype):
     assert kept
     element = torch.empty(0, dtype=dtype).element_size()
     assert all(c.kwargs["BLOCK_N"] * head_dim_pad * element <= configs.TILE_BYTES for c in kept)
+
+
+def test_autotuning_can_be_switched_off_to_the_first_kept_config(cuda_spaces, monkeypatch):
+    args = _args(torch.float16, 128, 4)
+    kept = configs.prune_prefill(cuda_spaces[0], args)
+    early_prune = configs.autotuned(configs.prune_prefill)
+    monkeypatch.setenv(configs.AUTOTUNE_ENV, "1")
+    assert early_prune(cuda_spaces[0], args) == kept and len(kept) > 1
+    monkeypatch.setenv(configs.AUTOTUNE_ENV, "0")
+    assert early_prune(cuda_spaces[0], args) == kept[:1]
