@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py [--dtype bfloat16] [--batches 1,4,16,64,256]
         [--contexts 512,2048,8192,32768] [--prefill-lengths 512,1024,2048,4096,8192]
+    python benchmarks/attention.py --kv-cache-dtype int8  # decode over an 8-bit cache
     python benchmarks/attention.py --interpret-smoke   # tiny sizes on the CPU interpreter
 
 Decode: one new token per sequence over ``context`` positions in shuffled 16-token pages; one
@@ -9,7 +10,9 @@ op call (store + flash-decoding); bandwidth counts the K and V bytes of every co
 against the device's peak. Prefill: ``--prefill-batch`` prompts of each length with an empty
 cache; the op (store + attention) and the attention kernel alone against
 ``F.scaled_dot_product_attention`` (causal) on the same data, non-paged, its K/V repeated to
-the query heads beforehand. Times are ``triton.testing.do_bench`` medians.
+the query heads beforehand. Times are ``triton.testing.do_bench`` medians. ``--kv-cache-dtype``
+int8 / fp8_e4m3 quantizes the decode rows' cache (a float32 scale per 128 head-dim elements, MAX's
+default) and counts its bytes, scales included; prefill rows keep the float cache.
 ``--interpret-smoke`` only checks that the script runs end to end (its times mean nothing).
 """
 
@@ -25,6 +28,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kvgraph.cache.quant import quantize
+from kvgraph.engine.config import KV_CACHE_DTYPES
 
 # Peak DRAM bandwidth (bytes/s) by a distinctive part of torch.cuda.get_device_name(); first match wins.
 PEAK_BANDWIDTH = (
@@ -49,10 +55,17 @@ def peak_bandwidth(device_name: str) -> float | None:
     return None
 
 
-def make_step(batch: int, cached: int, new: int, args: argparse.Namespace, device: str) -> tuple:
+def scale_group(args: argparse.Namespace) -> int:
+    """Head-dim elements per scale of a quantized cache: MAX's default 128, clamped to the head."""
+    return min(128, args.head_dim)
+
+
+def make_step(batch: int, cached: int, new: int, args: argparse.Namespace, device: str,
+              quantized: bool = False) -> tuple[tuple, dict]:
     """The op's arguments for ``batch`` sequences of ``cached`` + ``new`` tokens in shuffled pages
     of one layer: ``(q, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets,
-    max_lengths, layer_idx)``."""
+    max_lengths, layer_idx)``, and its keywords (``kv_scales`` of a ``quantized`` cache in
+    ``--kv-cache-dtype``)."""
     dtype = getattr(torch, args.dtype)
     page_size = args.page_size
     pages_per_seq = -(-(cached + new) // page_size)
@@ -66,13 +79,20 @@ def make_step(batch: int, cached: int, new: int, args: argparse.Namespace, devic
     cache_lengths = torch.full((batch,), cached, dtype=torch.int32, device=device)
     offsets = torch.arange(0, T + 1, new, dtype=torch.int32, device=device)
     max_lengths = torch.tensor([[new, cached + new]], dtype=torch.int32)
-    return q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 0
+    kwargs = {}
+    if quantized and KV_CACHE_DTYPES[args.kv_cache_dtype] is not None:
+        blocks, kwargs["kv_scales"] = quantize(blocks, KV_CACHE_DTYPES[args.kv_cache_dtype], scale_group(args))
+    return (q, k, v, blocks, cache_lengths, lookup, offsets, max_lengths, 0), kwargs
 
 
 def kv_bytes(batch: int, context: int, args: argparse.Namespace) -> int:
-    """Bytes of K and V of ``batch`` contexts of ``context`` positions, one layer."""
-    element = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    return 2 * batch * context * args.kv_heads * args.head_dim * element
+    """Bytes of K and V of ``batch`` contexts of ``context`` positions, one layer (an 8-bit cache's
+    values and scales with ``--kv-cache-dtype``)."""
+    if KV_CACHE_DTYPES[args.kv_cache_dtype] is None:
+        per_row = args.head_dim * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    else:
+        per_row = args.head_dim + 4 * (args.head_dim // scale_group(args))
+    return 2 * batch * context * args.kv_heads * per_row
 
 
 def fits(nbytes: int, device: str) -> bool:
@@ -90,8 +110,8 @@ def decode_row(batch: int, context: int, args: argparse.Namespace, device: str, 
     row = {"batch": batch, "context": context, "kv_bytes": nbytes}
     if not fits(nbytes, device):
         return {**row, "skipped": "does not fit in free device memory"}
-    step = make_step(batch, context - 1, 1, args, device)
-    ms = timer(lambda: ragged_attention(*step))
+    step, kwargs = make_step(batch, context - 1, 1, args, device, quantized=True)
+    ms = timer(lambda: ragged_attention(*step, **kwargs))
     gbps = nbytes / (ms * 1e-3) / 1e9
     row.update(
         num_splits=choose_num_splits(batch, args.kv_heads, context, multiprocessors(torch.device(device))),
@@ -109,7 +129,7 @@ def prefill_row(length: int, args: argparse.Namespace, device: str, timer: Calla
     from kvgraph.ops.triton.prefill import launch_prefill
 
     batch, group = args.prefill_batch, args.heads // args.kv_heads
-    step = make_step(batch, 0, length, args, device)
+    step, _ = make_step(batch, 0, length, args, device)
     q, k, v, blocks, cache_lengths, lookup, offsets, _, layer = step
     out = ragged_attention(*step)  # stores K/V: the attention-only timing reads them
     cache = PagedLayer.of(blocks, lookup, layer)
@@ -162,6 +182,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="store the decode rows' cache in 8 bits (auto: --dtype)")
     parser.add_argument("--batches", type=ints, default=[1, 4, 16, 64, 256])
     parser.add_argument("--contexts", type=ints, default=[512, 2048, 8192, 32768])
     parser.add_argument("--prefill-batch", type=int, default=4)
@@ -191,7 +213,7 @@ def main() -> None:
     report = {
         "device": name, "peak_gb_per_s": None if peak is None else round(peak / 1e9),
         "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-        "page_size": args.page_size, "torch": torch.__version__, "smoke": args.interpret_smoke,
+        "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "torch": torch.__version__, "smoke": args.interpret_smoke,
         "decode": [decode_row(b, c, args, device, timer, peak) for b in args.batches for c in args.contexts],
         "prefill": [prefill_row(n, args, device, timer) for n in args.prefill_lengths],
     }

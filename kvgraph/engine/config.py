@@ -64,7 +64,8 @@ class EngineConfig:
         kv_cache_dtype: store the KV cache quantized: ``torch.int8`` or ``torch.float8_e4m3fn``
             (or their names in ``KV_CACHE_DTYPES``), with a float32 scale per 128 elements of
             the head dimension (MAX's ``KVCacheQuantizationConfig()``; clamped to the head size,
-            which it must then divide); read by the CPU kernels only. ``None``: the model's dtype.
+            which it must then divide); read by the CPU kernels and the Triton kernels (CUDA; float8
+            from compute capability 8.9). ``None``: the model's dtype.
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -146,7 +147,9 @@ def check_dtype(dtype: object) -> None:
 def check_kv_cache_dtype(kv_cache_dtype: object, device: torch.device) -> torch.dtype | None:
     """The storage dtype ``kv_cache_dtype`` names (``None``: the model's); ``ConfigError`` unless it is
     ``None``, a name of ``KV_CACHE_DTYPES`` or one of the 8-bit storage dtypes, and the device has
-    a kernel that reads a quantized cache (the CPU)."""
+    a kernel that reads a quantized cache (``kvgraph.ops.attention.QUANTIZED_DEVICE_TYPES``)."""
+    from kvgraph.ops.attention import QUANTIZED_DEVICE_TYPES
+
     if isinstance(kv_cache_dtype, str):
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
@@ -157,10 +160,10 @@ def check_kv_cache_dtype(kv_cache_dtype: object, device: torch.device) -> torch.
         raise ConfigError(
             f"kv_cache_dtype must be None or one of {[str(d) for d in STORAGE_DTYPES]}, got {kv_cache_dtype!r}"
         )
-    if device.type != "cpu":
+    if device.type not in QUANTIZED_DEVICE_TYPES:
         raise ConfigError(
-            f"kv_cache_dtype={kv_cache_dtype} needs device cpu: only the CPU kernels read a quantized cache, "
-            f"got device {device}"
+            f"kv_cache_dtype={kv_cache_dtype} needs a device of type {' or '.join(QUANTIZED_DEVICE_TYPES)}: only "
+            f"their kernels read a quantized cache, got device {device}"
         )
     return kv_cache_dtype
 

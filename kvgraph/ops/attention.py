@@ -59,9 +59,9 @@ def implementation(device: torch.device) -> Run:
     return _cpu_run
 
 
-QUANTIZED_DEVICE_TYPES = ("cpu",)
+QUANTIZED_DEVICE_TYPES = ("cpu", "cuda")
 """Device types with an implementation that reads a quantized cache: the CPU ones (C++, SDPA path and
-reference all dequantize); the Triton kernels do not."""
+reference) and the Triton kernels all dequantize in their reads."""
 
 
 def check_quantized_device(device: torch.device) -> None:
@@ -69,7 +69,7 @@ def check_quantized_device(device: torch.device) -> None:
     if device.type not in QUANTIZED_DEVICE_TYPES:
         raise CacheInputError(
             f"a quantized KV cache on {device} has no attention kernel: only {list(QUANTIZED_DEVICE_TYPES)} "
-            f"read one (the Triton kernels do not)"
+            f"devices read one"
         )
 
 

@@ -165,7 +165,7 @@ class LoweringPipeline:
 
 def _readable(params: KVCacheParams) -> KVCacheParams:
     """``params``, if an attention kernel reads such a cache on its device (``LoweringError`` naming
-    the device otherwise: a quantized cache is read on the CPU only)."""
+    the device otherwise: a quantized cache is read on the CPU and on CUDA only)."""
     if params.quantized:
         from kvgraph.ops.attention import check_quantized_device
 

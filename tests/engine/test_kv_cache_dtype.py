@@ -43,8 +43,9 @@ def test_names_and_dtypes_are_the_same_config():
 
 def test_a_device_without_a_quantized_kernel_is_refused_by_the_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with raises_naming(ConfigError, "kv_cache_dtype=torch.int8", "device cpu", "cuda"):
-        EngineConfig(kv_cache_dtype=torch.int8, device="cuda")
+    assert EngineConfig(kv_cache_dtype=torch.int8, device="cuda").kv_cache_dtype is torch.int8  # Triton reads it
+    with raises_naming(ConfigError, "kv_cache_dtype=torch.int8", "cpu or cuda", "device meta"):
+        EngineConfig(kv_cache_dtype=torch.int8, device="meta")
 
 
 def test_a_granularity_that_does_not_divide_the_head_size_is_refused_before_any_compile():

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgraph.cache.quant import dequantize, quantize
 from kvgraph.errors import CacheInputError
 from kvgraph.ops import attention, cpp, cpu, reference
-from kvgraph.ops.reference import naive_attention_fp64
 from tests.naming import raises_naming
+from tests.ops.quantized_cases import QuantizedCase, check
 
 IMPLS = {"cpp": cpp.ragged_attention, "sdpa": cpu.ragged_attention}
 STORAGE = [torch.int8, torch.float8_e4m3fn]
@@ -26,47 +25,6 @@ def impl(request):
 @pytest.fixture(params=STORAGE, ids=["int8", "fp8"])
 def storage(request) -> torch.dtype:
     return request.param
-
-
-class QuantizedCase:
-    """A ``KVCase`` with its cache quantized: ``kv_blocks`` 8-bit, ``kv_scales`` beside them, and the
-    golden's histories and new K/V replaced by what the cache holds (dequantized)."""
-
-    def __init__(self, case, storage: torch.dtype, group: int) -> None:
-        self.case = case
-        self.group = group
-        blocks, self.kv_scales = quantize(case.kv_blocks, storage, group)
-        self.kv_blocks = blocks
-
-        def held(x: torch.Tensor) -> torch.Tensor:
-            return dequantize(*quantize(x, storage, group), torch.float64)
-
-        self.k_cached = [held(k) for k in case.k_cached]
-        self.v_cached = [held(v) for v in case.v_cached]
-        self.k_new, self.v_new = held(case.k), held(case.v)
-
-    def args(self) -> tuple:
-        """The op's arguments (a fresh copy of the cache) with ``scale``, ``sliding_window``, ``softcap`` unset."""
-        return (*self.case.args()[:3], self.kv_blocks.clone(), *self.case.args()[4:])
-
-    def run(self, fn, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(out, blocks, scales)`` of ``fn`` on a copy of the cache."""
-        args, scales = self.args(), self.kv_scales.clone()
-        return fn(*args, **kwargs, kv_scales=scales), args[3], scales
-
-    def golden(self, **kwargs) -> torch.Tensor:
-        c = self.case
-        return naive_attention_fp64(c.q, self.k_new, self.v_new, self.k_cached, self.v_cached,
-                                    c.input_row_offsets, **kwargs)
-
-
-def check(impl, qcase: QuantizedCase, check_against_golden, **kwargs) -> None:
-    out, blocks, scales = qcase.run(impl, **kwargs)
-    ref, ref_blocks, ref_scales = qcase.run(reference.ragged_attention, **kwargs)
-    assert out.dtype == qcase.case.q.dtype
-    check_against_golden(out, qcase.golden(**kwargs), ref)
-    assert torch.equal(blocks.view(torch.uint8), ref_blocks.view(torch.uint8))  # the same bytes stored
-    assert torch.equal(scales, ref_scales)
 
 
 def test_matches_the_golden_of_the_dequantized_cache(impl, storage, make_kv_case, check_against_golden,
@@ -144,9 +102,10 @@ def test_scales_of_another_shape_are_refused(make_kv_case):
 
 
 def test_a_device_without_a_quantized_kernel_is_refused():
-    with raises_naming(CacheInputError, "cuda", "['cpu']", "Triton"):
-        attention.check_quantized_device(torch.device("cuda"))
+    with raises_naming(CacheInputError, "meta", "['cpu', 'cuda']"):
+        attention.check_quantized_device(torch.device("meta"))
     attention.check_quantized_device(torch.device("cpu"))
+    attention.check_quantized_device(torch.device("cuda"))
 
 
 def test_the_op_under_torch_compile_writes_blocks_and_scales(make_kv_case):

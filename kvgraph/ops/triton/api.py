@@ -35,7 +35,7 @@ def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
     """
     launch = check_launch(args, plan)
     q, cache_lengths, input_row_offsets = args.q, args.cache_lengths, args.input_row_offsets
-    cache = PagedLayer.of(args.kv_blocks, args.lookup_table, args.layer_idx)
+    cache = PagedLayer.of(args.kv_blocks, args.lookup_table, args.layer_idx, args.kv_scales)
     with on_device(q):
         launch_store(args.k, args.v, cache, cache_lengths, input_row_offsets)
         if launch.max_new == 1:

@@ -19,6 +19,8 @@ from kvgraph.ops.schema import AttentionArgs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # the padded head dim of a tile; larger heads do not fit the kernels' registers
+MAX_SCALE_GROUPS = 16  # scales per row of a quantized cache: the store kernel unrolls one step per group
+FP8_CAPABILITY = (8, 9)  # the first CUDA architecture Triton converts float8_e4m3fn on (Ada, Hopper)
 
 
 def interpreting() -> bool:
@@ -57,7 +59,9 @@ def check_launch(args: AttentionArgs, plan: StepPlan) -> LaunchPlan:
     :func:`~kvgraph.ops.plan.plan_for`), and derive their launch parameters.
 
     Per step (once, kept in ``plan``): a CUDA device (or the CPU under ``TRITON_INTERPRET=1``),
-    fp32/fp16/bf16, head_dim at most ``MAX_HEAD_DIM``, kv_blocks contiguous along head_dim,
+    fp32/fp16/bf16 (q's dtype for a quantized cache, whose scales are at most ``MAX_SCALE_GROUPS``
+    per row, contiguous along them, and float8 storage only from compute capability
+    ``FP8_CAPABILITY``), head_dim at most ``MAX_HEAD_DIM``, kv_blocks contiguous along head_dim,
     contiguous ``cache_lengths`` / ``input_row_offsets``, and ``max_lengths[0]`` consistent with
     the token count and within what one sequence can hold. Per layer: q/k/v contiguous along
     head_dim and an int ``layer_idx``.
@@ -82,9 +86,14 @@ def _check_step(args: AttentionArgs, plan: StepPlan) -> tuple[int, int, int]:
         raise CacheInputError(
             f"the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
         )
-    if plan.dtype not in SUPPORTED_DTYPES:
+    dtype = plan.dtype if plan.scale_group is None else args.q.dtype
+    if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise CacheInputError(f"dtype {plan.dtype} is not supported by the Triton kernels; expected one of {names}")
+        raise CacheInputError(f"dtype {dtype} is not supported by the Triton kernels; expected one of {names}")
+    if plan.scale_group is not None:
+        _check_quantized(plan)
+        if args.kv_scales.stride(-1) != 1:
+            raise CacheInputError(f"kv_scales must be contiguous along its last dim, got strides {args.kv_scales.stride()}")
     if plan.head_dim > MAX_HEAD_DIM:
         raise CacheInputError(f"head_dim {plan.head_dim} exceeds the Triton kernels' limit {MAX_HEAD_DIM}")
     if args.kv_blocks.stride(-1) != 1:
@@ -103,3 +112,22 @@ def _check_step(args: AttentionArgs, plan: StepPlan) -> tuple[int, int, int]:
             f"max_lengths[0, 1] = {max_context} exceeds the {capacity} positions one sequence can hold"
         )
     return max_new, max_context, capacity
+
+
+def _check_quantized(plan: StepPlan) -> None:
+    """What the kernels need of a quantized cache: at most ``MAX_SCALE_GROUPS`` scales per row, and
+    a device that converts float8_e4m3fn for that storage."""
+    groups = plan.head_dim // plan.scale_group
+    if groups > MAX_SCALE_GROUPS:
+        raise CacheInputError(
+            f"{groups} scales per row (head_dim {plan.head_dim}, {plan.scale_group} elements per scale) exceed the "
+            f"Triton kernels' {MAX_SCALE_GROUPS}: use a quantization_granularity of at least "
+            f"{plan.head_dim // MAX_SCALE_GROUPS}"
+        )
+    if plan.dtype == torch.float8_e4m3fn and plan.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(plan.device)
+        if capability < FP8_CAPABILITY:
+            raise CacheInputError(
+                f"a float8_e4m3fn cache needs compute capability {FP8_CAPABILITY} or newer for the Triton kernels; "
+                f"{plan.device} has {capability} (use an int8 cache)"
+            )

@@ -58,7 +58,7 @@ def decode_attention(*args: object, num_splits: int | None = None, **kwargs: obj
         num_splits = choose_num_splits(plan.batch, plan.n_kv_heads, launch.max_keys, multiprocessors(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise CacheInputError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    cache = PagedLayer.of(op_args.kv_blocks, op_args.lookup_table, op_args.layer_idx)
+    cache = PagedLayer.of(op_args.kv_blocks, op_args.lookup_table, op_args.layer_idx, op_args.kv_scales)
     with on_device(q):
         launch_store(op_args.k, op_args.v, cache, op_args.cache_lengths, op_args.input_row_offsets)
         return launch_decode(q, cache, op_args.cache_lengths, op_args.input_row_offsets, launch.scale, num_splits,
@@ -103,7 +103,7 @@ def launch_decode(
         num_splits, scale * math.log2(math.e), window, log2_softcap(softcap),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         BLOCK_H=max(MIN_DOT, next_power_of_2(group)), PAGE_SIZE=cache.page_size,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None, **cache.read_constexprs(),
     )
     decode_reduce_kernel[(batch, n_heads)](
         out, part_acc, part_max, part_sum, input_row_offsets,

@@ -18,19 +18,21 @@ from kvgraph.ops.triton.tile_kernel import attend_tile, window_start
 def decode_split_kernel(
     Q, PartAcc, PartMax, PartSum,
     Cache, Lookup, stride_lut_b, stride_lut_p, stride_page, stride_kv, stride_row, stride_head,
+    Scales, stride_spage, stride_skv, stride_srow, stride_shead,
     CacheLengths, RowOffsets,
     stride_qt, stride_qh, stride_at, stride_ah, stride_as, stride_mt, stride_mh,
     num_splits, qk_scale, window, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (sequence, KV head, split): attention of the sequence's query, for every query head
     of the KV head, over one contiguous share of the positions it sees: all of them, or its
     last ``window`` when ``window > 0`` (a sliding window).
 
     Q: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the new
-    token. PartAcc: fp32 [T, Hq, num_splits, HEAD_DIM_PAD] un-normalised outputs; PartMax,
-    PartSum: fp32 [T, Hq, num_splits] running max (log2 units) and sum; an empty split writes
+    token (8-bit with its ``Scales`` when ``QUANT``, one per ``QGROUP`` elements). PartAcc: fp32
+    [T, Hq, num_splits, HEAD_DIM_PAD] un-normalised outputs; PartMax, PartSum: fp32 [T, Hq, num_splits] running max (log2 units) and sum; an empty split writes
     (-inf, 0, zeros). A sequence with no new token is skipped. qk_scale: softmax scale times
     log2(e); softcap: with ``HAS_SOFTCAP``, the logit cap times log2(e), unused otherwise.
     """
@@ -65,12 +67,14 @@ def decode_split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
     K = Cache + kv_head * stride_head
     V = K + stride_kv
+    KS = Scales + kv_head * stride_shead
+    VS = KS + stride_skv
     lut = Lookup + b * stride_lut_b
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, q_pos, K, V, lut, start_n, hi,
-            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP,
+            acc, m_i, l_i, q, q_pos, q_pos, K, V, KS, VS, lut, start_n, hi,
+            stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
         )
 
     # -- write the partial state --

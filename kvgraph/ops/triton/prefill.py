@@ -24,7 +24,7 @@ def _prefill(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:
     :class:`~kvgraph.ops.schema.AttentionArgs`; returns ``[T, Hq, D]`` in ``q``'s dtype.
     """
     launch = check_launch(args, plan)
-    cache = PagedLayer.of(args.kv_blocks, args.lookup_table, args.layer_idx)
+    cache = PagedLayer.of(args.kv_blocks, args.lookup_table, args.layer_idx, args.kv_scales)
     with on_device(args.q):
         launch_store(args.k, args.v, cache, args.cache_lengths, args.input_row_offsets)
         return launch_prefill(args.q, cache, args.cache_lengths, args.input_row_offsets, launch.scale, launch.window,
@@ -67,6 +67,6 @@ def launch_prefill(
         batch, scale * math.log2(math.e), window, log2_softcap(softcap),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
         GROUP=group, GROUP_PAD=next_power_of_2(group), PAGE_SIZE=cache.page_size,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None, **cache.read_constexprs(),
     )
     return out

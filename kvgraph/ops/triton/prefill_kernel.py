@@ -13,11 +13,13 @@ from kvgraph.ops.triton.tile_kernel import attend_tile, locate_block, window_sta
 def prefill_kernel(
     Q, Out,
     Cache, Lookup, stride_lut_b, stride_lut_p, stride_page, stride_kv, stride_row, stride_head,
+    Scales, stride_spage, stride_skv, stride_srow, stride_shead,
     CacheLengths, RowOffsets,
     stride_qt, stride_qh, stride_ot, stride_oh,
     batch, qk_scale, window, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (block of BLOCK_Q new tokens of one sequence, KV head): causal attention of the
@@ -25,8 +27,8 @@ def prefill_kernel(
     over its last ``window`` positions only when ``window > 0`` (a sliding window).
 
     Q, Out: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the
-    new tokens. Tile rows are (token, query head of the group) pairs, so each K/V tile is loaded
-    once for the whole group. Query head ``kv_head * GROUP + g`` reads KV head ``kv_head``.
+    new tokens (8-bit with its ``Scales`` when ``QUANT``, one per ``QGROUP`` elements). Tile rows
+    are (token, query head of the group) pairs, so each K/V tile is loaded once for the whole group. Query head ``kv_head * GROUP + g`` reads KV head ``kv_head``.
     qk_scale: softmax scale times log2(e); softcap: with ``HAS_SOFTCAP``, the logit cap times
     log2(e) (scores ``s`` become ``c * tanh(s / c)``), unused otherwise.
     """
@@ -57,6 +59,8 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     K = Cache + kv_head * stride_head
     V = K + stride_kv
+    KS = Scales + kv_head * stride_shead
+    VS = KS + stride_skv
     lut = Lookup + b * stride_lut_b
 
     # -- key tiles: row r sees [q_first[r], q_pos[r]], both growing with the token, so the block
@@ -69,23 +73,23 @@ def prefill_kernel(
     # -- phase 1: the window's leading edge, tiles that some rows' windows start after (masked) --
     for start_n in range(kv_start, full_start, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_start,
-            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP,
+            acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, full_start,
+            stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
         )
     # -- phase 2: whole tiles inside every row's window and before the block's first position --
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, full_end,
-            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP,
+            acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, full_end,
+            stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
         )
     # -- phase 3: the diagonal, up to the block's last new token, causally (and window) masked --
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_first, q_pos, K, V, lut, start_n, kv_end,
-            stride_lut_p, stride_page, stride_row, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP,
+            acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, kv_end,
+            stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
         )
 
     # -- epilogue: normalise and store --

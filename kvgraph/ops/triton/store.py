@@ -23,6 +23,7 @@ def store_kv(
     input_row_offsets: torch.Tensor,
     max_lengths: torch.Tensor,
     layer_idx: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write the new tokens' keys and values into layer ``layer_idx`` of the cache, in place.
 
@@ -35,14 +36,18 @@ def store_kv(
         input_row_offsets: ``int32 [batch + 1]`` prefix sums of new tokens per sequence.
         max_lengths: ``int32 [num_steps, 2]`` on the CPU, as for the op (only validated).
         layer_idx: the layer to write.
+        kv_scales: a quantized cache's scales (``kv_blocks`` int8 or float8_e4m3fn): the new rows
+            are quantized and their scales written here, in place.
 
     Token ``i`` of sequence ``b`` lands at position ``cache_lengths[b] + i - input_row_offsets[b]``.
     """
     # k stands in for the queries the op would take: the store reads none
-    args = AttentionArgs(k, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx)
+    args = AttentionArgs(k, k, v, kv_blocks, cache_lengths, lookup_table, input_row_offsets, max_lengths, layer_idx,
+                         kv_scales=kv_scales)
     check_launch(args, plan_for(args))
     with on_device(k):
-        launch_store(k, v, PagedLayer.of(kv_blocks, lookup_table, layer_idx), cache_lengths, input_row_offsets)
+        launch_store(k, v, PagedLayer.of(kv_blocks, lookup_table, layer_idx, kv_scales), cache_lengths,
+                     input_row_offsets)
 
 
 def launch_store(
@@ -52,7 +57,8 @@ def launch_store(
     cache_lengths: torch.Tensor,
     input_row_offsets: torch.Tensor,
 ) -> None:
-    """Launch :func:`store_kv_kernel` on validated inputs (see :func:`store_kv`)."""
+    """Launch :func:`store_kv_kernel` on validated inputs (see :func:`store_kv`). Without fp
+    fusion: the quantized path's rounding must not be fused with the product before it."""
     num_tokens, n_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -63,5 +69,5 @@ def launch_store(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         batch, cache.num_pages,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), PAGE_SIZE=cache.page_size,
-        BLOCK_T=BLOCK_T, num_warps=2,
+        **cache.quant_constexprs(), BLOCK_T=BLOCK_T, num_warps=2, enable_fp_fusion=False,
     )

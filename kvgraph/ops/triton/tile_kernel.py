@@ -81,10 +81,11 @@ def tanh(x):
 @triton.jit
 def attend_tile(
     acc, m_i, l_i, q, q_first, q_pos,
-    K, V, Lookup, start_n, kv_end,
-    stride_lut_p, stride_page, stride_row, qk_scale, softcap,
+    K, V, KS, VS, Lookup, start_n, kv_end,
+    stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr,
 ):
     """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
 
@@ -92,7 +93,10 @@ def attend_tile(
     units) and sum; q: [M, HEAD_DIM_PAD] in the cache dtype; q_first, q_pos: [M] int32 first and
     last position each query row sees, used when ``MASKED`` (keys outside ``[q_first, q_pos]``
     are masked; a row that has seen no key yet keeps max -inf and sum 0).
-    ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0.
+    ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0; with
+    ``QUANT`` (an 8-bit cache) ``KS``/``VS`` point at their scales (``stride_spage``,
+    ``stride_srow``; one per ``QGROUP`` elements), and each tile is dequantized to q's dtype once
+    loaded (:mod:`kvgraph.ops.triton.quant_kernel`).
     ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
     With ``HAS_SOFTCAP``, scores ``s`` become ``softcap * tanh(s / softcap)`` before masking; both
     are in log2 units (the cap times log2(e)), which is the true-scale ``c * tanh(s / c)`` times log2(e).
@@ -106,6 +110,11 @@ def attend_tile(
 
     # -- load K tile transposed: [HEAD_DIM_PAD, BLOCK_N] --
     k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
+    if QUANT:
+        srows = kv_rows(page, offs_n, stride_spage, stride_srow, PAGE_SIZE)  # [BLOCK_N]
+        ks = tl.load(KS + srows[None, :] + (offs_d // QGROUP)[:, None], mask=d_valid[:, None] & kv_valid[None, :],
+                     other=0.0)
+        k = (k.to(tl.float32) * ks).to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if HAS_SOFTCAP:
         s = softcap * tanh(s / softcap)
@@ -128,5 +137,9 @@ def attend_tile(
 
     # -- load V tile: [BLOCK_N, HEAD_DIM_PAD] and accumulate --
     v = tl.load(V + rows[:, None] + offs_d[None, :], mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+    if QUANT:
+        vs = tl.load(VS + srows[:, None] + (offs_d // QGROUP)[None, :], mask=kv_valid[:, None] & d_valid[None, :],
+                     other=0.0)
+        v = (v.to(tl.float32) * vs).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
