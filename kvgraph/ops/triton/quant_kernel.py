@@ -19,7 +19,7 @@ Reads (:func:`kvgraph.ops.triton.tile_kernel.attend_tile`) dequantize each loade
 import triton
 import triton.language as tl
 
-ROUNDER = 12582912.0  # 1.5 * 2**23: x + ROUNDER - ROUNDER is x rounded to nearest even, |x| < 2**22
+ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUNDER - ROUNDER is x rounded to nearest even, |x| < 2**22
 
 
 @triton.jit
