@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
+STALE_LOCK_SECONDS = 600  # a build here takes 1-3 minutes: a lock this old was left by a killed build
 ENV = "KVGRAPH_CPU_ATTENTION"
 CHOICES = ("auto", "cpp", "sdpa", "reference")
 # SIMD flags per PyTorch CPU capability; ATen's vectorized types follow CPU_CAPABILITY_*.
@@ -89,10 +91,12 @@ def build() -> None:
     _define_schema()
     level = capability()
     flags = ["-O3", "-fopenmp", "-std=c++17", *CAPABILITY_FLAGS.get(level, [])]
+    name = extension_name(level, flags)
+    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     try:
         with _path_with(ninja_dir):
             cpp_extension.load(
-                name=extension_name(level, flags),
+                name=name,
                 sources=[str(source) for source in sources()],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
@@ -102,6 +106,23 @@ def build() -> None:
     except Exception as e:  # the compiler's or loader's message, whatever its type
         names = ", ".join(source.name for source in sources())
         raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """Remove the build lock a killed build left in ``build_dir``: ``cpp_extension.load`` waits for
+    a lock to go away, forever. A lock younger than :data:`STALE_LOCK_SECONDS` is another process's
+    build, which this one waits for (said once in the log)."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age < STALE_LOCK_SECONDS:
+        logger.info("waiting for another process's build of the C++ kernels (%s, %.0f s old)", lock, age)
+        return
+    logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
 
 
 def sources() -> tuple[Path, Path]:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +99,17 @@ def test_the_pip_ninja_is_on_path_for_the_build_only(monkeypatch):
     with cpp._path_with("/venv/bin"):
         assert os.environ["PATH"].split(os.pathsep) == ["/venv/bin", "/usr/bin"]
     assert os.environ["PATH"] == "/usr/bin"
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    lock.touch()
+    with caplog.at_level("INFO", logger="kvgraph.ops.cpp"):
+        cpp._clear_stale_lock(tmp_path)  # another process building now: wait for it
+    assert lock.exists() and "waiting for another process" in caplog.text
+    old = time.time() - cpp.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger="kvgraph.ops.cpp"):
+        cpp._clear_stale_lock(tmp_path)
+    assert not lock.exists() and f"removing {lock}" in caplog.text
+    cpp._clear_stale_lock(tmp_path)  # no lock: nothing to do
