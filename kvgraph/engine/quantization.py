@@ -29,7 +29,7 @@ from torch import nn
 
 from kvgraph.engine.loading import model_dtype
 from kvgraph.errors import ConfigError, require_extra
-from kvgraph.ops import int8_linear  # noqa: F401  (defines kvgraph::int8_weight_linear)
+from kvgraph.ops import int8_linear
 
 QUANTIZATION_SCHEMES = ("int8-weight-only",)
 """The values of ``EngineConfig.quantization`` besides ``None`` (no quantization)."""
@@ -112,7 +112,9 @@ def _replace_layers(model: nn.Module, replacement) -> None:
 
 class Int8WeightOnlyLinear(nn.Module):
     """A linear layer with an int8 weight ``[out, in]`` and one float32 scale per output row:
-    ``kvgraph::int8_weight_linear(x, weight_int8, weight_scale, bias)``.
+    ``kvgraph::int8_weight_linear(x, weight_int8, weight_scale, bias)``, on the CPU as
+    ``kvgraph_cpu::int8_weight_linear`` with ``routes`` (:func:`kvgraph.ops.int8_linear.cpu_routes`,
+    read when the layer is made; ``None`` where kvgraph's C++ library cannot be built).
 
     ``weight`` gives the values the int8 data stands for (int8 times its scale), a new tensor in
     the activations' dtype at each access; the module itself keeps only the int8 data.
@@ -126,6 +128,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", weight_scale)
         self.bias = bias
+        self.routes = int8_linear.cpu_routes() if weight_int8.device.type == "cpu" else None
 
     @classmethod
     def from_quantized(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -149,7 +152,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return (self.weight_int8.to(torch.float32) * self.weight_scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvgraph.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias)
+        return int8_linear.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias, self.routes)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
+INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "
+                      "int matvec_rows) -> Tensor")
 STALE_LOCK_SECONDS = 600  # a build here takes 1-3 minutes: a lock this old was left by a killed build
 ENV = "KVGRAPH_CPU_ATTENTION"
 CHOICES = ("auto", "cpp", "sdpa", "reference")
@@ -108,6 +110,11 @@ def build() -> None:
         raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
 
 
+def _int8_weight_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+    """Shape-only ``kvgraph_cpu::int8_weight_linear``, for the graphs that call it."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _clear_stale_lock(build_dir: Path) -> None:
     """Remove the build lock a killed build left in ``build_dir``: ``cpp_extension.load`` waits for
     a lock to go away, forever. A lock younger than :data:`STALE_LOCK_SECONDS` is another process's
@@ -138,6 +145,8 @@ def _define_schema() -> None:
         library = torch.library.Library("kvgraph_cpu", "DEF")
         library.define("ragged_attention" + SCHEMA)
         library.define("int8_linear_bf16" + INT8_SCHEMA)
+        library.define("int8_weight_linear" + INT8_ROUTED_SCHEMA)
+        torch.library.register_fake("kvgraph_cpu::int8_weight_linear", _int8_weight_linear_fake, lib=library)
         _library = library
 
 

@@ -18,9 +18,13 @@ is 3-10x faster than dequantizing the weight at 1 row, 1.3x slower at 32 rows, 2
   rounded once, as torchao's own dequantization), then one GEMM (oneDNN, AMX in bfloat16). The
   dequantized copy lives for the call only, so the model keeps its int8 footprint.
 
-:func:`kvgraph.engine.quantization.quantize` gives every quantized linear layer this op, so the
-compiled graph calls it as it is (Inductor runs it as an extern kernel) and the choice is made
-at each call, where the step's row count is known.
+:func:`kvgraph.engine.quantization.quantize` gives every quantized linear layer this routing, so
+the compiled graph calls it as it is (Inductor runs it as an extern kernel) and the choice is made
+at each call, where the step's row count is known. Where kvgraph's C++ library is built, the
+layers call ``kvgraph_cpu::int8_weight_linear`` (:func:`int8_weight_linear` with :func:`cpu_routes`),
+the same routing in C++, so no Python runs between the graph and the kernels (13 us a call here,
+a decode step's 57 calls 0.7 ms); ``torch.ops.kvgraph.int8_weight_linear`` stays the op's
+definition, for every device and for callers without the library.
 """
 
 from __future__ import annotations
@@ -107,6 +111,17 @@ def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
     return "aten" if rows <= MATVEC_ROWS else "dequantize"
 
 
+def cpu_routes() -> tuple[int, int, int] | None:
+    """``(fused_min_rows, fused_max_rows, matvec_rows)`` for ``kvgraph_cpu::int8_weight_linear`` on this
+    host (the fused range empty where :func:`fused_kernel` does not run), or ``None`` where kvgraph's C++
+    library cannot be built. Builds and loads it on first use."""
+    if cpp.int8_kernel() is None:
+        return None
+    if fused_kernel() is None:
+        return (1, 0, MATVEC_ROWS)
+    return (FUSED_MIN_ROWS, FUSED_MAX_ROWS, MATVEC_ROWS)
+
+
 @torch.library.impl(_LIB, "int8_weight_linear", "CPU")
 def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +158,10 @@ def _int8_weight_linear_fake(x: torch.Tensor, weight: torch.Tensor, scales: torc
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x @ weight.T) * scales + bias`` for an int8 ``weight [N, K]`` (see the module)."""
+                       bias: torch.Tensor | None = None, routes: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``(x @ weight.T) * scales + bias`` for an int8 ``weight [N, K]`` (see the module): on the CPU
+    with ``routes`` (:func:`cpu_routes`), through ``kvgraph_cpu::int8_weight_linear``, else through
+    ``kvgraph::int8_weight_linear``."""
+    if routes is not None and x.device.type == "cpu":
+        return torch.ops.kvgraph_cpu.int8_weight_linear(x, weight, scales, bias, *routes)
     return torch.ops.kvgraph.int8_weight_linear(x, weight, scales, bias)

@@ -40,9 +40,12 @@ from kvgraph.passes.log import log_pass
 
 Node = torch.fx.Node
 _TANH = (frozenset({torch.tanh}), frozenset({"tanh"}))
-# a vocabulary projection: a linear layer, or an int8 weight-only one (kvgraph.engine.quantization)
+# a vocabulary projection: a linear layer, or an int8 weight-only one (kvgraph.engine.quantization),
+# as kvgraph's op or, where kvgraph's C++ library is built, its CPU routing (named: that op is
+# defined only once the library is)
 _PROJECTION = (P.LINEAR[0] | {torch.ops.kvgraph.int8_weight_linear, torch.ops.kvgraph.int8_weight_linear.default},
                frozenset())
+_CPP_PROJECTION = "kvgraph_cpu::int8_weight_linear"
 
 
 @dataclass
@@ -129,11 +132,21 @@ def _add_positions(gm: torch.fx.GraphModule, after: Node, fake_mode) -> Node:
     return node
 
 
+def _is_projection(node: object) -> bool:
+    """Whether ``node`` is a linear layer (:data:`_PROJECTION`, or kvgraph's C++ int8 routing)."""
+    if P.is_call(node, _PROJECTION):
+        return True
+    target = node.target if isinstance(node, Node) and node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name == _CPP_PROJECTION
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name == _CPP_PROJECTION
+
+
 def _chain_to_linear(out: Node, output: Node) -> list[Node] | None:
     """``[linear, ..., out]`` if ``out`` is a final linear followed only by per-token elementwise ops."""
     chain = [out]
     node = out
-    while not P.is_call(node, _PROJECTION):
+    while not _is_projection(node):
         if P.is_call(node, P.CASTS) or P.is_call(node, _TANH):
             node = node.args[0]
         elif (P.is_call(node, P.MUL) or P.is_call(node, P.DIV)) and len(node.args) == 2:

@@ -186,8 +186,9 @@ def test_inductor_freezes_the_int8_weights_without_recompiles_on_the_cpp_kernel(
     stats = llm.stats()
     assert stats["warmup_graphs"] == 2 and stats["recompiles"] == 0
     assert attention.cpu_implementation() == "cpp"
-    # every quantized linear of every step ran kvgraph's int8 op: 7 per layer and the lm_head
-    calls = [e for e in prof.events() if e.name == "kvgraph::int8_weight_linear"]
+    # every quantized linear of every step ran kvgraph's int8 routing, in C++: 7 per layer and the lm_head
+    assert not [e for e in prof.events() if e.name == "kvgraph::int8_weight_linear"]
+    calls = [e for e in prof.events() if e.name == "kvgraph_cpu::int8_weight_linear"]
     assert len(calls) == (7 * 2 + 1) * (stats["steps"] - steps)
     # and the lm_head's rows were pruned to one per sequence (prune_logits saw the op as a projection)
     head_rows = {e.input_shapes[0][-2] for e in calls if e.input_shapes[1][0] == llm.vocab_size}

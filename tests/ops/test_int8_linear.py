@@ -123,3 +123,56 @@ def test_fake_impl_gives_the_shape():
         out = Q.int8_weight_linear(torch.empty(1, 5, 32, dtype=torch.bfloat16), torch.empty(40, 32, dtype=torch.int8),
                                    torch.empty(40))
     assert out.shape == (1, 5, 40) and out.dtype == torch.bfloat16
+
+
+needs_library = pytest.mark.skipif(Q.cpu_routes() is None, reason="needs kvgraph's C++ library")
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [0, 1, Q.FUSED_MIN_ROWS - 1, Q.FUSED_MIN_ROWS, 17, Q.MATVEC_ROWS, Q.MATVEC_ROWS + 1,
+                                  Q.FUSED_MAX_ROWS, Q.FUSED_MAX_ROWS + 1, 150])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cpp_routing_is_the_python_op_bit_for_bit(rows, dtype):
+    """kvgraph_cpu::int8_weight_linear (what quantized layers call on the CPU) picks the Python op's
+    kernel for every row count: the same values, not only close ones."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 96, generator=g).to(dtype)
+    weight = torch.randint(-127, 128, (70, 96), dtype=torch.int8, generator=g)
+    scales, bias = torch.rand(70, generator=g) / 127 + 1e-3, torch.randn(70, generator=g).to(dtype)
+    routes = Q.cpu_routes()
+    for b in (bias, None):
+        got = Q.int8_weight_linear(x, weight, scales, b, routes)
+        assert got.shape == (1, rows, 70) and got.dtype == dtype
+        assert torch.equal(got, torch.ops.kvgraph.int8_weight_linear(x, weight, scales, b))
+
+
+def test_routes_follow_the_library_and_the_fused_kernel(monkeypatch, without_fused):
+    if Q.cpp.int8_kernel() is not None:
+        assert Q.cpu_routes() == (1, 0, Q.MATVEC_ROWS)  # no fused kernel: an empty fused range
+    monkeypatch.setattr(Q.cpp, "int8_kernel", lambda: None)
+    assert Q.cpu_routes() is None
+
+
+@needs_library
+def test_which_op_a_layer_calls(monkeypatch):
+    x, weight, scales, _ = case(3)
+    for routes, name in ((Q.cpu_routes(), "kvgraph_cpu::int8_weight_linear"), (None, "kvgraph::int8_weight_linear")):
+        with torch.profiler.profile() as prof:
+            Q.int8_weight_linear(x, weight, scales, None, routes)
+        assert name in {e.name for e in prof.events()}
+
+
+@needs_library
+def test_the_cpp_routing_names_a_wrong_argument():
+    x, weight, scales, bias = case(2)
+    routes = Q.cpu_routes()
+    with pytest.raises(RuntimeError, match=r"last dim 31 is not the weight's K = 32"):
+        Q.int8_weight_linear(x[..., :31], weight, scales, None, routes)
+    with pytest.raises(RuntimeError, match=r"scales must have shape \(40,\), got \[40, 1\]"):
+        Q.int8_weight_linear(x, weight, scales[:, None], None, routes)
+    with pytest.raises(RuntimeError, match=r"weight must be a 2-D int8 tensor, got Float"):
+        Q.int8_weight_linear(x, weight.float(), scales, None, routes)
+    with FakeTensorMode():
+        out = Q.int8_weight_linear(torch.empty(1, 5, 32, dtype=torch.bfloat16), torch.empty(40, 32, dtype=torch.int8),
+                                   torch.empty(40), None, (9, 64, 48))
+    assert out.shape == (1, 5, 40) and out.dtype == torch.bfloat16

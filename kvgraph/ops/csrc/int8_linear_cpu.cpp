@@ -12,11 +12,19 @@
 //
 // Only for AVX-512 builds (CPU_CAPABILITY_AVX512): elsewhere the op refuses and the Python side,
 // kvgraph/ops/int8_linear.py, never calls it.
+//
+// kvgraph_cpu::int8_weight_linear: kvgraph::int8_weight_linear's CPU routing by row count
+// (kvgraph/ops/int8_linear.py says why), with the row thresholds given by the caller: the fused
+// kernel for fused_min_rows..fused_max_rows bfloat16 rows with an even K, ATen's
+// _weight_int8pack_mm up to matvec_rows, else a GEMM over the weight dequantized for the call.
+// A compiled graph calls it as an extern kernel, with no Python between the graph and the kernel.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -113,7 +121,45 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
 #endif
 }
 
+at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& bias, int64_t fused_min_rows, int64_t fused_max_rows,
+                              int64_t matvec_rows) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2,
+              "int8_weight_linear: weight must be a 2-D int8 tensor, got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1, "int8_weight_linear: x must have a feature dim, got shape ", x.sizes());
+  const int64_t k = x.size(-1), n = weight.size(0);
+  TORCH_CHECK(k == weight.size(1), "int8_weight_linear: x's last dim ", k, " is not the weight's K = ", weight.size(1));
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "int8_weight_linear: scales must have shape (", n,
+              ",), got ", scales.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "int8_weight_linear: bias must have shape (", n, ",), got ",
+                bias->sizes());
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  const at::Tensor x2d = x.reshape({-1, k}).contiguous();
+  const int64_t rows = x2d.size(0);
+  if (rows >= fused_min_rows && rows <= fused_max_rows && x.scalar_type() == at::kBFloat16 && k % 2 == 0) {
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->to(at::kBFloat16).contiguous();
+    return int8_linear_bf16(x2d, weight.contiguous(), scales.to(at::kFloat).contiguous(), b).view(shape);
+  }
+  at::Tensor out;
+  if (rows <= matvec_rows) {
+    out = at::_weight_int8pack_mm(x2d, weight, scales.to(x.scalar_type()));
+  } else {
+    // int8 times the row's float32 scale, rounded once to x's dtype: torchao's own dequantization
+    const at::Tensor dequantized = weight.to(at::kFloat).mul_(scales.to(at::kFloat).unsqueeze(1)).to(x.scalar_type());
+    out = at::mm(x2d, dequantized.t());
+  }
+  if (bias.has_value()) out.add_(bias->to(out.scalar_type()));
+  return out.view(shape);
+}
+
 }  // namespace
 }  // namespace kvgraph
 
-TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) { m.impl("int8_linear_bf16", &kvgraph::int8_linear_bf16); }
+TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) {
+  m.impl("int8_linear_bf16", &kvgraph::int8_linear_bf16);
+  m.impl("int8_weight_linear", &kvgraph::int8_weight_linear);
+}
