@@ -1,6 +1,7 @@
 """One int8 weight-only linear layer at every row count: ATen's int8 kernel, dequantize-then-GEMM,
-and ``kvgraph::int8_weight_linear`` (which picks one of these or its fused kernel by row count),
-beside a plain GEMM on the weight in the activations' dtype.
+and ``kvgraph::int8_weight_linear`` (which picks one of these or its fused kernel by row count)
+with its C++ twin ``kvgraph_cpu::int8_weight_linear`` (what quantized layers call where kvgraph's
+C++ library is built), beside a plain GEMM on the weight in the activations' dtype.
 
     python benchmarks/int8_linear.py [--out 1408] [--in 512] [--dtype bfloat16] [--repeats 30]
 
@@ -34,6 +35,8 @@ def main() -> None:
     weight = torch.randint(-127, 128, (args.out, args.in_features), dtype=torch.int8, generator=g)
     scales = torch.rand(args.out, generator=g) / 127
     plain = (weight.float() * scales[:, None]).to(dtype)
+    routes = int8_linear.cpu_routes()
+
     def ms(fn) -> float:
         return round(median_ms(fn, args.repeats), 4)
 
@@ -48,6 +51,8 @@ def main() -> None:
             "aten_int8_ms": ms(lambda x=x, s=s: torch.ops.aten._weight_int8pack_mm(x, weight, s)),
             "dequantize_gemm_ms": ms(lambda x=x: torch.mm(x, weight.to(torch.float32).mul_(scales[:, None]).to(dtype).t())),
             "kvgraph_op_ms": ms(lambda x=x: int8_linear.int8_weight_linear(x, weight, scales)),
+            "kvgraph_cpp_op_ms": None if routes is None else ms(
+                lambda x=x: int8_linear.int8_weight_linear(x, weight, scales, None, routes)),
             "plain_gemm_ms": ms(lambda x=x: torch.mm(x, plain.t())),
             "op_kernel": int8_linear.kernel_for(n, dtype, args.in_features),
             "op_vs_aten_max_rel_diff": float((ours - aten).abs().max() / aten.abs().max()),
