@@ -51,6 +51,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
+from kvgraph.compiler.direct_kernels import call_cpu_kernel_directly, typed_kernel_errors
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
 from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
@@ -143,7 +144,8 @@ class LoweredGraph:
 
     def __call__(self, args: Sequence, kv: list[torch.Tensor]):
         # A Dynamo backend's function takes its arguments unboxed (whatever ``_boxed_call`` says).
-        return self.fn(*args, *kv)
+        with typed_kernel_errors():
+            return self.fn(*args, *kv)
 
 
 class GraphRunner:
@@ -197,6 +199,8 @@ class GraphRunner:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
         refuse_own_cache(gm, result.sites)
         self.windows.learn(result)
+        if layout.device.type == "cpu":
+            call_cpu_kernel_directly(gm)
         names = list(result.kv_placeholders)
         for node in gm.graph.find_nodes(op="placeholder"):
             if node.name in names and not hasattr(node, "_dynamo_source"):

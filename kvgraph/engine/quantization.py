@@ -127,6 +127,8 @@ class Int8WeightOnlyLinear(nn.Module):
         self.dtype = dtype
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("weight_scale", weight_scale)
+        # the scales in the activations' dtype, for ATen's int8 kernel (converted once, not per call)
+        self.register_buffer("weight_scale_act", weight_scale.to(dtype))
         self.bias = bias
         self.routes = int8_linear.cpu_routes() if weight_int8.device.type == "cpu" else None
 
@@ -152,7 +154,8 @@ class Int8WeightOnlyLinear(nn.Module):
         return (self.weight_int8.to(torch.float32) * self.weight_scale[:, None]).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias, self.routes)
+        return int8_linear.int8_weight_linear(x, self.weight_int8, self.weight_scale, self.bias, self.routes,
+                                              self.weight_scale_act)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

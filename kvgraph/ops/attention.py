@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from kvgraph.errors import CacheInputError
-from kvgraph.ops.checks import check_inputs
+from kvgraph.ops.checks import attention_fake
 from kvgraph.ops.plan import StepPlan, plan_for
 from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
@@ -88,8 +88,4 @@ def _ragged_attention(*args: object, **kwargs: object) -> torch.Tensor:
     return dispatch(AttentionArgs(*args, **kwargs))
 
 
-@torch.library.register_fake("kvgraph::ragged_attention", lib=_LIB)
-def _ragged_attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    """Shape-only impl for tracing: checks metadata, returns ``[T, Hq, D]`` like q."""
-    check_inputs(q, *args, **kwargs)
-    return q.new_empty(q.shape)
+torch.library.register_fake("kvgraph::ragged_attention", attention_fake, lib=_LIB)

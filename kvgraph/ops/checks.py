@@ -26,6 +26,13 @@ def check_inputs(*args: object, **kwargs: object) -> None:
     StepPlan.build(op_args).check_layer(op_args)
 
 
+def attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """The op's shape-only implementation, for tracing (``kvgraph::ragged_attention`` and its C++
+    kernel ``kvgraph_cpu::ragged_attention``): checks the metadata, returns ``[T, Hq, D]`` like q."""
+    check_inputs(q, *args, **kwargs)
+    return q.new_empty(q.shape)
+
+
 def check_values(
     kv_blocks: torch.Tensor,
     cache_lengths: torch.Tensor,

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvgraph.errors import CacheInputError, CppKernelError
+from kvgraph.ops.checks import attention_fake
 from kvgraph.ops.plan import StepPlan, with_op_arguments
 from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
@@ -43,7 +44,7 @@ SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "
-                      "int matvec_rows) -> Tensor")
+                      "int matvec_rows, Tensor? act_scales=None) -> Tensor")
 STALE_LOCK_SECONDS = 600  # a build here takes 1-3 minutes: a lock this old was left by a killed build
 ENV = "KVGRAPH_CPU_ATTENTION"
 CHOICES = ("auto", "cpp", "sdpa", "reference")
@@ -144,6 +145,7 @@ def _define_schema() -> None:
     if _library is None:
         library = torch.library.Library("kvgraph_cpu", "DEF")
         library.define("ragged_attention" + SCHEMA)
+        torch.library.register_fake("kvgraph_cpu::ragged_attention", attention_fake, lib=library)
         library.define("int8_linear_bf16" + INT8_SCHEMA)
         library.define("int8_weight_linear" + INT8_ROUTED_SCHEMA)
         torch.library.register_fake("kvgraph_cpu::int8_weight_linear", _int8_weight_linear_fake, lib=library)
@@ -234,6 +236,12 @@ def _kernel():
     if error is not None:
         raise CppKernelError(str(error))
     return torch.ops.kvgraph_cpu.ragged_attention.default
+
+
+def direct_kernel() -> torch._ops.OpOverload:
+    """``torch.ops.kvgraph_cpu.ragged_attention.default`` for a graph to call in place of the op
+    (:mod:`kvgraph.compiler.direct_kernels`): built and loaded, with the op's fake implementation."""
+    return _kernel()
 
 
 def int8_kernel():

@@ -158,10 +158,12 @@ def _int8_weight_linear_fake(x: torch.Tensor, weight: torch.Tensor, scales: torc
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None = None, routes: tuple[int, int, int] | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, routes: tuple[int, int, int] | None = None,
+                       act_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``(x @ weight.T) * scales + bias`` for an int8 ``weight [N, K]`` (see the module): on the CPU
-    with ``routes`` (:func:`cpu_routes`), through ``kvgraph_cpu::int8_weight_linear``, else through
+    with ``routes`` (:func:`cpu_routes`), through ``kvgraph_cpu::int8_weight_linear`` (which takes
+    ``act_scales``, ``scales`` already in ``x``'s dtype, for ATen's kernel), else through
     ``kvgraph::int8_weight_linear``."""
     if routes is not None and x.device.type == "cpu":
-        return torch.ops.kvgraph_cpu.int8_weight_linear(x, weight, scales, bias, *routes)
+        return torch.ops.kvgraph_cpu.int8_weight_linear(x, weight, scales, bias, *routes, act_scales)
     return torch.ops.kvgraph.int8_weight_linear(x, weight, scales, bias)

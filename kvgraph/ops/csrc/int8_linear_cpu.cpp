@@ -16,7 +16,8 @@
 // kvgraph_cpu::int8_weight_linear: kvgraph::int8_weight_linear's CPU routing by row count
 // (kvgraph/ops/int8_linear.py says why), with the row thresholds given by the caller: the fused
 // kernel for fused_min_rows..fused_max_rows bfloat16 rows with an even K, ATen's
-// _weight_int8pack_mm up to matvec_rows, else a GEMM over the weight dequantized for the call.
+// _weight_int8pack_mm up to matvec_rows (with act_scales, the scales already in x's dtype, when
+// given), else a GEMM over the weight dequantized for the call.
 // A compiled graph calls it as an extern kernel, with no Python between the graph and the kernel.
 
 #include <ATen/Parallel.h>
@@ -123,7 +124,7 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
 
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias, int64_t fused_min_rows, int64_t fused_max_rows,
-                              int64_t matvec_rows) {
+                              int64_t matvec_rows, const std::optional<at::Tensor>& act_scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2,
               "int8_weight_linear: weight must be a 2-D int8 tensor, got ", weight.scalar_type(), " ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1, "int8_weight_linear: x must have a feature dim, got shape ", x.sizes());
@@ -146,7 +147,9 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, con
   }
   at::Tensor out;
   if (rows <= matvec_rows) {
-    out = at::_weight_int8pack_mm(x2d, weight, scales.to(x.scalar_type()));
+    // ATen's kernel takes the scales in x's dtype: the layer's copy of them, converted once, if it has one
+    const bool ready = act_scales.has_value() && act_scales->scalar_type() == x.scalar_type();
+    out = at::_weight_int8pack_mm(x2d, weight, ready ? *act_scales : scales.to(x.scalar_type()));
   } else {
     // int8 times the row's float32 scale, rounded once to x's dtype: torchao's own dequantization
     const at::Tensor dequantized = weight.to(at::kFloat).mul_(scales.to(at::kFloat).unsqueeze(1)).to(x.scalar_type());

@@ -1,0 +1,60 @@
+"""A compiled CPU graph calls the C++ attention kernel directly when it serves the op, keeps
+``kvgraph::ragged_attention`` otherwise, and the kernel's errors still arrive typed."""
+
+import pytest
+import torch
+
+import kvgraph
+from kvgraph.compiler.direct_kernels import typed_kernel_errors
+from kvgraph.errors import CacheInputError
+from kvgraph.ops import attention, cpp
+from tests.compiler.toy import decode, manager
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def cpu_attention(monkeypatch):
+    """``cpu_attention(choice)``: the CPU implementation chosen afresh from ``KVGRAPH_CPU_ATTENTION``."""
+
+    def choose(choice: str) -> str:
+        monkeypatch.setenv(cpp.ENV, choice)
+        monkeypatch.setattr(attention, "_cpu_run", None)
+        return attention.cpu_implementation()
+
+    return choose
+
+
+def attention_calls(compiled, mgr) -> dict[str, int]:
+    """Calls of the op and of the C++ kernel in one more decode step."""
+    with torch.profiler.profile() as prof:
+        decode(compiled, mgr, steps=0, prompts=[[4, 2]])
+    names = [e.name for e in prof.events()]
+    return {name: names.count(name) for name in ("kvgraph::ragged_attention", "kvgraph_cpu::ragged_attention")}
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_the_graph_calls_the_cpp_kernel_directly(model, cpu_attention, inner):
+    if cpu_attention("auto") != "cpp":
+        pytest.skip("the C++ kernel does not build here")
+    mgr = manager()
+    compiled = kvgraph.compile(model, manager=mgr, inner=inner)
+    decode(compiled, mgr, steps=2)  # every step checked against the eager model
+    assert attention_calls(compiled, mgr) == {"kvgraph::ragged_attention": 0, "kvgraph_cpu::ragged_attention": 2}
+
+
+def test_other_cpu_implementations_keep_the_op(model, cpu_attention):
+    assert cpu_attention("sdpa") == "sdpa"
+    mgr = manager()
+    compiled = kvgraph.compile(model, manager=mgr, inner="eager")
+    decode(compiled, mgr, steps=1)
+    assert attention_calls(compiled, mgr) == {"kvgraph::ragged_attention": 2, "kvgraph_cpu::ragged_attention": 0}
+
+
+def test_the_kernels_value_errors_arrive_as_cache_input_errors():
+    with pytest.raises(CacheInputError, match="cache_lengths must be >= 0"), typed_kernel_errors():
+        raise ValueError("cache_lengths must be >= 0, got [-1]")
+    with pytest.raises(CacheInputError, match="already typed"), typed_kernel_errors():
+        raise CacheInputError("already typed")
+    with pytest.raises(TypeError), typed_kernel_errors():
+        raise TypeError("not the kernel's")
