@@ -25,7 +25,8 @@
 // scale = max|x| / QMAX and x * (1 / scale) rounded (int8: to nearest even, clamped to +-127;
 // fp8: clamped to +-448, then converted), as kvgraph/cache/quant.py. Reads dequantize each K/V
 // row into the tile buffer the bf16/fp16 path converts into (x = q * scale, in fp32), so no fp32
-// copy of the context is ever made.
+// copy of the context is ever made; except a decode step over an int8 cache on a CPU with AVX-512
+// VNNI, which reads the int8 rows in place (see scores_int8 and accumulate_int8).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -57,8 +58,8 @@ namespace {
 
 constexpr int64_t kQueryBlock = 16;  // new tokens per work item
 constexpr int64_t kKeyTile = 64;     // keys per tile
-constexpr int64_t kGatherRows = 16;
-constexpr int64_t kPrefetchKeys = 64;  // a decode item asks for its K/V rows this many positions ahead
+constexpr int64_t kGatherRows = 16;  // fp32 items with fewer rows read short pages in place
+constexpr int64_t kPrefetchKeys = 64;  // a decode pass asks for its K or V rows this many positions ahead
 
 // No sliding window: a window longer than any context, so plain causal attention.
 constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
@@ -434,14 +435,14 @@ struct Int8Decode {
   std::vector<int8_t> parts;  // [rows, kQParts, D]
   std::vector<int32_t> offset;  // [rows, kQParts, D / group]: 128 * the part's sum over the group
   std::vector<float> scale;  // [rows]: sq
-  std::vector<double> rest;  // [D]: what the parts so far leave of a query row
-  std::vector<__m512i> kt;  // [D / 4, padded to 16]: a run's K, kt[w] lane i = dword w of key i (as u8)
-  std::vector<__m512> kscale;  // [D / group]: a run's K scales, lane i = key i
+  std::vector<double> rest;  // [2, D]: what the parts so far leave of a query row, and the next part
+  std::vector<int32_t> kt;  // [D / 4 padded to 16, 16]: a run's K, kt[w, i] = dword w of key i (as u8)
+  std::vector<float> kscale;  // [D / group, 16]: a run's K scales, kscale[g, i] of key i
   // per 16-lane chunk c of D: its lanes in D, and its groups: the first, how many it spans, and
   // each lane's group from the first
   std::vector<__mmask16> lanes, spanned;
   std::vector<int64_t> first_group;
-  std::vector<__m512i> group_of;
+  std::vector<int32_t> group_of;  // [chunks, 16]
 
   // Split the rows x D queries qf (pre-scaled) of an item whose cache has `group` elements per scale.
   void prepare(const float* qf, int64_t rows_, int64_t D_, int64_t group_) {
@@ -452,19 +453,24 @@ struct Int8Decode {
     scale.resize(rows);
     for (int64_t r = 0; r < rows; ++r) {
       const float* x = qf + r * D;
-      float amax = 0.0f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(x[d]));
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes[d / 16], x + d)));
+      }
+      const float amax = _mm512_reduce_max_ps(mx);
       scale[r] = amax / 127.0f;
       const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
       for (int64_t d = 0; d < D; ++d) rest[d] = x[d] * inv;  // in [-127, 127]
       for (int64_t k = 0; k < kQParts; ++k) {
-        // each part leaves a remainder in [-0.5, 0.5], the next part's unit
-        int8_t* part = parts.data() + (r * kQParts + k) * D;
+        // each part leaves a remainder in [-0.5, 0.5], the next part's unit (rounded apart from
+        // the int8 stores, which may alias anything, so that both loops vectorize)
+        double* rounded = rest.data() + D;
         for (int64_t d = 0; d < D; ++d) {
-          const double rounded = std::nearbyint(rest[d]);
-          part[d] = static_cast<int8_t>(rounded);
-          rest[d] = (rest[d] - rounded) * kQRadix;
+          rounded[d] = std::nearbyint(rest[d]);
+          rest[d] = (rest[d] - rounded[d]) * kQRadix;
         }
+        int8_t* part = parts.data() + (r * kQParts + k) * D;
+        for (int64_t d = 0; d < D; ++d) part[d] = static_cast<int8_t>(rounded[d]);
         int32_t* off = offset.data() + (r * kQParts + k) * (D / group);
         for (int64_t gi = 0; gi < D / group; ++gi) {
           for (int64_t d = gi * group; d < (gi + 1) * group; ++d) off[gi] += 128 * int32_t{part[d]};
@@ -476,21 +482,26 @@ struct Int8Decode {
  private:
   void layout(int64_t D_, int64_t group_) {
     D = D_, group = group_;
-    rest.resize(D);
-    kt.resize((D + 63) / 64 * 16);
-    kscale.resize(D / group);
+    rest.resize(2 * D);
+    kt.resize((D + 63) / 64 * 16 * 16);
+    kscale.resize(D / group * 16);
     lanes.clear(), spanned.clear(), first_group.clear(), group_of.clear();
     for (int64_t first = 0; first < D; first += 16) {
       const int64_t left = std::min<int64_t>(16, D - first);
       lanes.push_back(static_cast<__mmask16>((1u << left) - 1));
       first_group.push_back(first / group);
       spanned.push_back(static_cast<__mmask16>((1u << ((first + left - 1) / group - first / group + 1)) - 1));
-      alignas(64) int32_t idx[16];
-      for (int64_t i = 0; i < 16; ++i) idx[i] = static_cast<int32_t>((first + i) / group - first / group);
-      group_of.push_back(_mm512_load_si512(idx));
+      for (int64_t i = 0; i < 16; ++i) group_of.push_back(static_cast<int32_t>((first + i) / group - first / group));
     }
   }
 };
+
+// The calling thread's Int8Decode, reused by its items. Not inlined: the caller then holds a plain
+// pointer, not a thread-local address the compiler may look up again in every loop.
+__attribute__((noinline)) Int8Decode& int8_state() {
+  thread_local Int8Decode st;
+  return st;
+}
 
 // rows[w] lane i = dword w of rows[i] (a 16 x 16 transpose of 32-bit elements).
 inline void transpose16_epi32(__m512i* rows) {
@@ -543,7 +554,7 @@ KVGRAPH_VNNI_TARGET void scores_rows(const Int8Decode& st, int64_t r0, __mmask16
       for (int p = 0; p < kQParts; ++p) a[r][p] = _mm512_setzero_si512();
     }
     for (int64_t w = g * steps; w < (g + 1) * steps; ++w) {
-      const __m512i k = st.kt[w];
+      const __m512i k = _mm512_loadu_si512(st.kt.data() + 16 * w);
       for (int r = 0; r < R; ++r) {
         const int8_t* q = st.parts.data() + (r0 + r) * kQParts * D + 4 * w;
         for (int p = 0; p < kQParts; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], k, broadcast_dword(q + p * D));
@@ -557,7 +568,8 @@ KVGRAPH_VNNI_TARGET void scores_rows(const Int8Decode& st, int64_t r0, __mmask16
         f[p] = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][p], _mm512_set1_epi32(off)));
       }
       const __m512 total = _mm512_fmadd_ps(_mm512_fmadd_ps(f[2], radix, f[1]), radix, f[0]);
-      sc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(st.kscale[g], _mm512_set1_ps(st.scale[r0 + r])), sc[r]);
+      const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(st.kscale.data() + 16 * g), _mm512_set1_ps(st.scale[r0 + r]));
+      sc[r] = _mm512_fmadd_ps(total, scale, sc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * ld_out, keys, sc[r]);
@@ -588,13 +600,16 @@ KVGRAPH_VNNI_TARGET void scores_int8(Int8Decode& st, const int8_t* k, int64_t ld
   for (int64_t c0 = 0; c0 < D; c0 += 64) {
     const int64_t len = std::min<int64_t>(64, D - c0);
     const __mmask64 bytes = len == 64 ? ~__mmask64{0} : (__mmask64{1} << len) - 1;
-    __m512i* t = st.kt.data() + c0 / 4;
+    __m512i t[16];
     for (int64_t j = 0; j < 16; ++j) {
       t[j] = j < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, k + j * ld_k + c0), flip) : flip;
     }
     transpose16_epi32(t);
+    for (int64_t w = 0; w < 16; ++w) _mm512_storeu_si512(st.kt.data() + 16 * (c0 / 4 + w), t[w]);
   }
-  for (int64_t g = 0; g < D / st.group; ++g) st.kscale[g] = gather_keys(ks + g, ld_ks, keys);
+  for (int64_t g = 0; g < D / st.group; ++g) {
+    _mm512_storeu_ps(st.kscale.data() + 16 * g, gather_keys(ks + g, ld_ks, keys));
+  }
   for_row_blocks(st.rows, [&](int64_t r0, auto R) { scores_rows<decltype(R)::value>(st, r0, keys, out, ld_out); });
 }
 
@@ -620,8 +635,9 @@ KVGRAPH_VNNI_TARGET void accumulate_chunks(const Int8Decode& st, int64_t c0, flo
                                : _mm_maskz_loadu_epi8(lanes(c), vj + 16 * c);
       x[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
       if constexpr (!kFolded) {
-        const float* sj = vs + j * ld_vs + st.first_group[ci + c];
-        x[c] = _mm512_mul_ps(x[c], _mm512_permutexvar_ps(st.group_of[ci + c], _mm512_maskz_loadu_ps(st.spanned[ci + c], sj)));
+        const __m512 spanned = _mm512_maskz_loadu_ps(st.spanned[ci + c], vs + j * ld_vs + st.first_group[ci + c]);
+        const __m512i group_of = _mm512_loadu_si512(st.group_of.data() + 16 * (ci + c));
+        x[c] = _mm512_mul_ps(x[c], _mm512_permutexvar_ps(group_of, spanned));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -685,9 +701,9 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   // an int8 cache read in place by VPDPBUSD, runs of up to 16 keys (see scores_int8)
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
   const bool vnni = kInt8 && has_vnni() && D % 4 == 0 && sv.group % 4 == 0;
-  thread_local Int8Decode st;
+  Int8Decode* st = vnni ? &int8_state() : nullptr;
   if constexpr (kInt8) {
-    if (vnni) st.prepare(qf, rows, D, sv.group);
+    if (vnni) st->prepare(qf, rows, D, sv.group);
   }
 #else
   const bool vnni = false;
@@ -714,40 +730,37 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       return src;
     }
   };
-  // The first head of a sequence asks for the K and V rows of every head (contiguous: a row holds
-  // the heads side by side) and their scales, kPrefetchKeys positions ahead of pass 1: the thread
-  // then takes the sequence's other heads, and pass 3 its V, which find them in cache. The rows of
-  // a decode step lie in pages scattered over the pool, and the hardware prefetcher does not
-  // follow the jump from one page to the next.
-  int64_t fetched = kv_begin;  // positions [kv_begin, fetched) are asked for
-  auto prefetch_to = [&](int64_t until) {
-    if (h != 0) return;
+  // Each pass asks for its own head's K or V rows and their scales kPrefetchKeys positions ahead:
+  // the rows of a decode step lie in pages scattered over the pool, and the hardware prefetcher
+  // does not follow the jump from one page to the next. Spread over every head's two passes, the
+  // reads of a sequence overlap all of its work.
+  int64_t fetched[2] = {kv_begin, kv_begin};  // per K / V: positions [kv_begin, fetched) asked for
+  auto prefetch_to = [&](int64_t kv, int64_t until) {
     auto prefetch = [](const void* src, int64_t count, int64_t span, int64_t stride) {
       for (int64_t j = 0; j < count; ++j) {
-        for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(static_cast<const char*>(src) + j * stride + c, 0, 2);
+        const char* row = static_cast<const char*>(src) + j * stride;
+        for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(row + c, 0, 2);
       }
     };
-    for (; fetched < std::min(until, kv_end); fetched = run_end(fetched)) {
-      const int64_t n = run_end(fetched) - fetched;
-      for (int64_t kv = 0; kv < 2; ++kv) {
-        prefetch(blocks + g.offset(lut, b, fetched, kv, layer), n, g.hkv * D * static_cast<int64_t>(sizeof(cache_t)),
-                 g.stride_slot * static_cast<int64_t>(sizeof(cache_t)));
-        if constexpr (kQuantized<cache_t>) {
-          // a run's scales are contiguous: n rows of hkv * (D / group) floats
-          prefetch(sv.row(lut, b, fetched, kv, layer, 0), 1, n * sv.g.stride_slot * static_cast<int64_t>(sizeof(float)), 0);
-        }
+    for (int64_t& pos = fetched[kv]; pos < std::min(until, kv_end); pos = run_end(pos)) {
+      const int64_t n = run_end(pos) - pos;
+      prefetch(blocks + g.offset(lut, b, pos, kv, layer) + h * D, n, D * static_cast<int64_t>(sizeof(cache_t)),
+               g.stride_slot * static_cast<int64_t>(sizeof(cache_t)));
+      if constexpr (kQuantized<cache_t>) {
+        // a run's scales are contiguous: n rows of hkv * (D / group) floats
+        prefetch(sv.row(lut, b, pos, kv, layer, 0), 1, n * sv.g.stride_slot * static_cast<int64_t>(sizeof(float)), 0);
       }
     }
   };
   // -- pass 1: every score, page by page (scores[r * n_ctx + j] is position kv_begin + j) --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
-    prefetch_to(pos + kPrefetchKeys);
+    prefetch_to(0, pos + kPrefetchKeys);
     A* const sc = scores.data() + pos - kv_begin;
 #if KVGRAPH_INT8_VNNI
     if constexpr (kInt8) {
       if (vnni) {
-        scores_int8(st, blocks + g.offset(lut, b, pos, 0, layer) + h * D, g.stride_slot,
+        scores_int8(*st, blocks + g.offset(lut, b, pos, 0, layer) + h * D, g.stride_slot,
                     sv.row(lut, b, pos, 0, layer, h), sv.g.stride_slot, n, sc, n_ctx);
         pos += n;
         continue;
@@ -759,6 +772,7 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
     pos += n;
   }
+  prefetch_to(1, kv_begin + kPrefetchKeys);
   // -- pass 2: softmax numerators and their sums (of the capped scores: every key is visible) --
   for (int64_t r = 0; r < rows; ++r) {
     A* sr = scores.data() + r * n_ctx;
@@ -768,11 +782,12 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   // -- pass 3: acc = sum_j p_j v_j, page by page --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
+    prefetch_to(1, pos + kPrefetchKeys);
     A* const sc = scores.data() + pos - kv_begin;
 #if KVGRAPH_INT8_VNNI
     if constexpr (kInt8) {
       if (vnni) {
-        accumulate_int8(st, acc, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D, g.stride_slot,
+        accumulate_int8(*st, acc, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D, g.stride_slot,
                         sv.row(lut, b, pos, 1, layer, h), sv.g.stride_slot, n);
         pos += n;
         continue;
