@@ -25,7 +25,8 @@
 // scale = max|x| / QMAX and x * (1 / scale) rounded (int8: to nearest even, clamped to +-127;
 // fp8: clamped to +-448, then converted), as kvgraph/cache/quant.py. Reads dequantize each K/V
 // row into the tile buffer the bf16/fp16 path converts into (x = q * scale, in fp32), so no fp32
-// copy of the context is ever made.
+// copy of the context is ever made; except a decode step over an int8 cache on a CPU with AVX-512
+// VNNI, which reads the int8 rows in place (see scores_int8 and accumulate_int8).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -43,6 +44,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -57,6 +59,7 @@ namespace {
 constexpr int64_t kQueryBlock = 16;  // new tokens per work item
 constexpr int64_t kKeyTile = 64;     // keys per tile
 constexpr int64_t kGatherRows = 16;  // fp32 items with fewer rows read short pages in place
+constexpr int64_t kPrefetchKeys = 64;  // a decode pass asks for its K or V rows this many positions ahead
 
 // No sliding window: a window longer than any context, so plain causal attention.
 constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max();
@@ -402,6 +405,283 @@ inline void soft_cap(T* x, T c, int64_t n) {
   for (; i < n; ++i) x[i] = c * std::tanh(x[i] * inv);
 }
 
+// -- int8 decode with AVX-512 VNNI: QK^T in int32, V dequantized inside the PV accumulation --
+// A decode item's G query rows share every K/V row, so a run of up to 16 keys of one page is
+// transposed once (lane i = key i, one dword = 4 head-dim bytes per vector) and each row's scores
+// come out of VPDPBUSD with its query broadcast 4 bytes at a time, no horizontal sums. VPDPBUSD
+// multiplies u8 by s8, so K is read as k + 128 (x ^ 0x80) and 128 * sum(q) taken off per group.
+// The query is split exactly enough for an fp32 result: x / sq = h + m / 254 + l / 254^2 with h, m,
+// l int8 (sq = max|x| / 127), an error below 2^-23 of max|x|, so the scores match the dequantized
+// cache's to fp32 rounding. V rows are converted and scaled in registers and go straight into
+// the accumulators of up to 4 rows, never through a tile buffer.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__GNUC__)
+#define KVGRAPH_INT8_VNNI 1
+#define KVGRAPH_VNNI_TARGET __attribute__((target("avx512vnni")))
+
+// Whether this CPU runs VPDPBUSD (an AVX-512 build may run on one without it, e.g. Skylake-X).
+bool has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+constexpr int64_t kQParts = 3;    // int8 parts of a query: h, m, l
+constexpr float kQRadix = 254.0f;  // x / sq = h + m / kQRadix + l / kQRadix^2
+
+// A thread's int8 decode state, prepared once per item: the item's queries split for VPDPBUSD,
+// the layout of a row's groups over the 16-lane chunks of D, and the scratch of a run's transposed K
+// and scales.
+struct Int8Decode {
+  int64_t rows = 0, D = 0, group = 0;
+  std::vector<int8_t> parts;  // [rows, kQParts, D]
+  std::vector<int32_t> offset;  // [rows, kQParts, D / group]: 128 * the part's sum over the group
+  std::vector<float> scale;  // [rows]: sq
+  std::vector<double> rest;  // [2, D]: what the parts so far leave of a query row, and the next part
+  std::vector<int32_t> kt;  // [D / 4 padded to 16, 16]: a run's K, kt[w, i] = dword w of key i (as u8)
+  std::vector<float> kscale;  // [D / group, 16]: a run's K scales, kscale[g, i] of key i
+  // per 16-lane chunk c of D: its lanes in D, and its groups: the first, how many it spans, and
+  // each lane's group from the first
+  std::vector<__mmask16> lanes, spanned;
+  std::vector<int64_t> first_group;
+  std::vector<int32_t> group_of;  // [chunks, 16]
+
+  // Split the rows x D queries qf (pre-scaled) of an item whose cache has `group` elements per scale.
+  void prepare(const float* qf, int64_t rows_, int64_t D_, int64_t group_) {
+    if (D_ != D || group_ != group) layout(D_, group_);
+    rows = rows_;
+    parts.resize(rows * kQParts * D);
+    offset.assign(rows * kQParts * (D / group), 0);
+    scale.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = qf + r * D;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes[d / 16], x + d)));
+      }
+      const float amax = _mm512_reduce_max_ps(mx);
+      scale[r] = amax / 127.0f;
+      const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
+      for (int64_t d = 0; d < D; ++d) rest[d] = x[d] * inv;  // in [-127, 127]
+      for (int64_t k = 0; k < kQParts; ++k) {
+        // each part leaves a remainder in [-0.5, 0.5], the next part's unit (rounded apart from
+        // the int8 stores, which may alias anything, so that both loops vectorize)
+        double* rounded = rest.data() + D;
+        for (int64_t d = 0; d < D; ++d) {
+          rounded[d] = std::nearbyint(rest[d]);
+          rest[d] = (rest[d] - rounded[d]) * kQRadix;
+        }
+        int8_t* part = parts.data() + (r * kQParts + k) * D;
+        for (int64_t d = 0; d < D; ++d) part[d] = static_cast<int8_t>(rounded[d]);
+        int32_t* off = offset.data() + (r * kQParts + k) * (D / group);
+        for (int64_t gi = 0; gi < D / group; ++gi) {
+          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) off[gi] += 128 * int32_t{part[d]};
+        }
+      }
+    }
+  }
+
+ private:
+  void layout(int64_t D_, int64_t group_) {
+    D = D_, group = group_;
+    rest.resize(2 * D);
+    kt.resize((D + 63) / 64 * 16 * 16);
+    kscale.resize(D / group * 16);
+    lanes.clear(), spanned.clear(), first_group.clear(), group_of.clear();
+    for (int64_t first = 0; first < D; first += 16) {
+      const int64_t left = std::min<int64_t>(16, D - first);
+      lanes.push_back(static_cast<__mmask16>((1u << left) - 1));
+      first_group.push_back(first / group);
+      spanned.push_back(static_cast<__mmask16>((1u << ((first + left - 1) / group - first / group + 1)) - 1));
+      for (int64_t i = 0; i < 16; ++i) group_of.push_back(static_cast<int32_t>((first + i) / group - first / group));
+    }
+  }
+};
+
+// The calling thread's Int8Decode, reused by its items. Not inlined: the caller then holds a plain
+// pointer, not a thread-local address the compiler may look up again in every loop.
+__attribute__((noinline)) Int8Decode& int8_state() {
+  thread_local Int8Decode st;
+  return st;
+}
+
+// rows[w] lane i = dword w of rows[i] (a 16 x 16 transpose of 32-bit elements).
+inline void transpose16_epi32(__m512i* rows) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  // b[4k + e] 128-bit lane L holds dword 4L + e of rows 4k..4k+3
+  for (int e = 0; e < 4; ++e) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+    const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88);
+    const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+    rows[e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+    rows[4 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+    rows[8 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+    rows[12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+  }
+}
+
+// lane i = x[i * ld] for the keys i in `keys`, else 0.
+inline __m512 gather_keys(const float* x, int64_t ld, __mmask16 keys) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int32_t>(ld)));
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keys, index, x, 4);
+}
+
+inline __m512i broadcast_dword(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return _mm512_set1_epi32(word);
+}
+
+// out[r * ld_out + j] = q_r . k_j for rows r0..r0+R of st and the run's keys (st.kt, st.kscale).
+template <int R>
+KVGRAPH_VNNI_TARGET void scores_rows(const Int8Decode& st, int64_t r0, __mmask16 keys, float* out, int64_t ld_out) {
+  const int64_t D = st.D, steps = st.group / 4, groups = D / st.group;
+  const __m512 radix = _mm512_set1_ps(1.0f / kQRadix);
+  __m512 sc[R];
+  for (int r = 0; r < R; ++r) sc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i a[R][kQParts];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < kQParts; ++p) a[r][p] = _mm512_setzero_si512();
+    }
+    for (int64_t w = g * steps; w < (g + 1) * steps; ++w) {
+      const __m512i k = _mm512_loadu_si512(st.kt.data() + 16 * w);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = st.parts.data() + (r0 + r) * kQParts * D + 4 * w;
+        for (int p = 0; p < kQParts; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], k, broadcast_dword(q + p * D));
+      }
+    }
+    // -- the group's exact int32 sums to fp32, times the query's and the keys' scales --
+    for (int r = 0; r < R; ++r) {
+      __m512 f[kQParts];
+      for (int p = 0; p < kQParts; ++p) {
+        const int32_t off = st.offset[((r0 + r) * kQParts + p) * groups + g];
+        f[p] = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][p], _mm512_set1_epi32(off)));
+      }
+      const __m512 total = _mm512_fmadd_ps(_mm512_fmadd_ps(f[2], radix, f[1]), radix, f[0]);
+      const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(st.kscale.data() + 16 * g), _mm512_set1_ps(st.scale[r0 + r]));
+      sc[r] = _mm512_fmadd_ps(total, scale, sc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * ld_out, keys, sc[r]);
+}
+
+// f(std::integral_constant<int, R>) for R = min(4, rows - r0) at r0 = 0, 4, 8, ...: rows in
+// register blocks of up to 4.
+template <typename F>
+inline void for_row_blocks(int64_t rows, F&& f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: f(r0, std::integral_constant<int, 1>{}); break;
+      case 2: f(r0, std::integral_constant<int, 2>{}); break;
+      case 3: f(r0, std::integral_constant<int, 3>{}); break;
+      default: f(r0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// out[r * ld_out + j] = q_r . k_j (dequantized) for every row and n <= 16 keys k_j = k[j * ld_k]
+// with scales ks[j * ld_ks + group index].
+KVGRAPH_VNNI_TARGET void scores_int8(Int8Decode& st, const int8_t* k, int64_t ld_k, const float* ks, int64_t ld_ks,
+                                     int64_t n, float* out, int64_t ld_out) {
+  const int64_t D = st.D;
+  const __mmask16 keys = static_cast<__mmask16>((1u << n) - 1);
+  // -- the run's K as u8 (absent keys and bytes zero, then flipped), transposed 64 bytes at a time --
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    const int64_t len = std::min<int64_t>(64, D - c0);
+    const __mmask64 bytes = len == 64 ? ~__mmask64{0} : (__mmask64{1} << len) - 1;
+    __m512i t[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      t[j] = j < n ? _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, k + j * ld_k + c0), flip) : flip;
+    }
+    transpose16_epi32(t);
+    for (int64_t w = 0; w < 16; ++w) _mm512_storeu_si512(st.kt.data() + 16 * (c0 / 4 + w), t[w]);
+  }
+  for (int64_t g = 0; g < D / st.group; ++g) {
+    _mm512_storeu_ps(st.kscale.data() + 16 * g, gather_keys(ks + g, ld_ks, keys));
+  }
+  for_row_blocks(st.rows, [&](int64_t r0, auto R) { scores_rows<decltype(R)::value>(st, r0, keys, out, ld_out); });
+}
+
+// acc[r * D + d] += sum_j p[r * ld_p + j] * v_j[d] (dequantized) for R rows and C 16-lane chunks
+// from lane c0 of D (C = 4: all in D), n keys v_j = v[j * ld_v] with scales vs[j * ld_vs + d / group],
+// or (kFolded) with the scales already in p. R x C accumulators in registers over the run.
+template <int R, int C, bool kFolded>
+KVGRAPH_VNNI_TARGET void accumulate_chunks(const Int8Decode& st, int64_t c0, float* acc, const float* p,
+                                           int64_t ld_p, const int8_t* v, int64_t ld_v, const float* vs,
+                                           int64_t ld_vs, int64_t n) {
+  const int64_t D = st.D, ci = c0 / 16;
+  const __mmask16 last = st.lanes[ci + C - 1];  // the lanes of the last chunk in D
+  auto lanes = [&](int c) -> __mmask16 { return c == C - 1 ? last : 0xFFFF; };
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_maskz_loadu_ps(lanes(c), acc + r * D + c0 + 16 * c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* vj = v + j * ld_v + c0;
+    __m512 x[C];
+    for (int c = 0; c < C; ++c) {
+      const __m128i q = C == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(vj + 16 * c))
+                               : _mm_maskz_loadu_epi8(lanes(c), vj + 16 * c);
+      x[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+      if constexpr (!kFolded) {
+        const __m512 spanned = _mm512_maskz_loadu_ps(st.spanned[ci + c], vs + j * ld_vs + st.first_group[ci + c]);
+        const __m512i group_of = _mm512_loadu_si512(st.group_of.data() + 16 * (ci + c));
+        x[c] = _mm512_mul_ps(x[c], _mm512_permutexvar_ps(group_of, spanned));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * ld_p + j]);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pr, x[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(acc + r * D + c0 + 16 * c, lanes(c), a[r][c]);
+  }
+}
+
+// acc[r * D + d] += sum_j p[r * ld_p + j] * v_j[d] (dequantized) for every row and n <= 16 keys
+// v_j = v[j * ld_v] with scales vs[j * ld_vs + d / group]. With one scale per row (group = D) it
+// goes into p (which it overwrites) once per key, not into every element of v_j.
+KVGRAPH_VNNI_TARGET void accumulate_int8(Int8Decode& st, float* acc, float* p, int64_t ld_p, const int8_t* v,
+                                         int64_t ld_v, const float* vs, int64_t ld_vs, int64_t n) {
+  const bool folded = st.group == st.D;
+  if (folded) {
+    const __mmask16 keys = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 s = gather_keys(vs, ld_vs, keys);
+    for (int64_t r = 0; r < st.rows; ++r) {
+      _mm512_mask_storeu_ps(p + r * ld_p, keys, _mm512_mul_ps(_mm512_maskz_loadu_ps(keys, p + r * ld_p), s));
+    }
+  }
+  for_row_blocks(st.rows, [&](int64_t r0, auto R) {
+    constexpr int kR = decltype(R)::value;
+    auto run = [&](int64_t c0, auto C) {
+      constexpr int kC = decltype(C)::value;
+      float* a = acc + r0 * st.D;
+      const float* pr = p + r0 * ld_p;
+      if (folded) {
+        accumulate_chunks<kR, kC, true>(st, c0, a, pr, ld_p, v, ld_v, vs, ld_vs, n);
+      } else {
+        accumulate_chunks<kR, kC, false>(st, c0, a, pr, ld_p, v, ld_v, vs, ld_vs, n);
+      }
+    };
+    int64_t c0 = 0;
+    for (; c0 + 64 <= st.D; c0 += 64) run(c0, std::integral_constant<int, 4>{});
+    for (; c0 < st.D; c0 += 16) run(c0, std::integral_constant<int, 1>{});
+  });
+}
+#endif
+
 struct WorkItem {
   int64_t b, s0, s1;  // sequence, its new tokens [s0, s1)
 };
@@ -417,9 +697,20 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   constexpr bool kConvert = !std::is_same_v<cache_t, A>;
   const int64_t D = g.d, n_ctx = kv_end - kv_begin;
   if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
+#if KVGRAPH_INT8_VNNI
+  // an int8 cache read in place by VPDPBUSD, runs of up to 16 keys (see scores_int8)
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
+  const bool vnni = kInt8 && has_vnni() && D % 4 == 0 && sv.group % 4 == 0;
+  Int8Decode* st = vnni ? &int8_state() : nullptr;
+  if constexpr (kInt8) {
+    if (vnni) st->prepare(qf, rows, D, sv.group);
+  }
+#else
+  const bool vnni = false;
+#endif
   // runs of consecutive positions in one page (at most kKeyTile when converting into kf / vf)
   auto run_end = [&](int64_t pos) {
-    return std::min({kv_end, g.page_end(pos), kConvert ? pos + kKeyTile : kv_end});
+    return std::min({kv_end, g.page_end(pos), vnni ? pos + 16 : kConvert ? pos + kKeyTile : kv_end});
   };
   auto rows_of = [&](int64_t pos, int64_t n, int64_t kv, A* buf, int64_t& ld) -> const A* {
     const cache_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
@@ -439,32 +730,49 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       return src;
     }
   };
-  // The first head of a sequence asks for each run's rows of every head (contiguous: a row holds
-  // the heads side by side) one run ahead: the thread then takes the sequence's other heads, which
-  // find them in cache. The rows of a decode step lie in pages scattered over the pool, one read
-  // each, and the hardware prefetcher does not follow the jump from one page to the next.
-  auto prefetch_run = [&](int64_t pos, int64_t kv) {
-    if (h != 0 || pos >= kv_end) return;
-    const int64_t n = run_end(pos) - pos;
-    const char* src = reinterpret_cast<const char*>(blocks + g.offset(lut, b, pos, kv, layer));
-    const int64_t span = g.hkv * D * static_cast<int64_t>(sizeof(cache_t));
-    const int64_t stride = g.stride_slot * static_cast<int64_t>(sizeof(cache_t));
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(src + j * stride + c, 0, 2);
+  // Each pass asks for its own head's K or V rows and their scales kPrefetchKeys positions ahead:
+  // the rows of a decode step lie in pages scattered over the pool, and the hardware prefetcher
+  // does not follow the jump from one page to the next. Spread over every head's two passes, the
+  // reads of a sequence overlap all of its work.
+  int64_t fetched[2] = {kv_begin, kv_begin};  // per K / V: positions [kv_begin, fetched) asked for
+  auto prefetch_to = [&](int64_t kv, int64_t until) {
+    auto prefetch = [](const void* src, int64_t count, int64_t span, int64_t stride) {
+      for (int64_t j = 0; j < count; ++j) {
+        const char* row = static_cast<const char*>(src) + j * stride;
+        for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(row + c, 0, 2);
+      }
+    };
+    for (int64_t& pos = fetched[kv]; pos < std::min(until, kv_end); pos = run_end(pos)) {
+      const int64_t n = run_end(pos) - pos;
+      prefetch(blocks + g.offset(lut, b, pos, kv, layer) + h * D, n, D * static_cast<int64_t>(sizeof(cache_t)),
+               g.stride_slot * static_cast<int64_t>(sizeof(cache_t)));
+      if constexpr (kQuantized<cache_t>) {
+        // a run's scales are contiguous: n rows of hkv * (D / group) floats
+        prefetch(sv.row(lut, b, pos, kv, layer, 0), 1, n * sv.g.stride_slot * static_cast<int64_t>(sizeof(float)), 0);
+      }
     }
   };
-  prefetch_run(kv_begin, 0);
   // -- pass 1: every score, page by page (scores[r * n_ctx + j] is position kv_begin + j) --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
-    prefetch_run(pos + n, 0);
+    prefetch_to(0, pos + kPrefetchKeys);
+    A* const sc = scores.data() + pos - kv_begin;
+#if KVGRAPH_INT8_VNNI
+    if constexpr (kInt8) {
+      if (vnni) {
+        scores_int8(*st, blocks + g.offset(lut, b, pos, 0, layer) + h * D, g.stride_slot,
+                    sv.row(lut, b, pos, 0, layer, h), sv.g.stride_slot, n, sc, n_ctx);
+        pos += n;
+        continue;
+      }
+    }
+#endif
     int64_t ld;
     const A* kt = rows_of(pos, n, 0, kf, ld);
-    A* const sc = scores.data() + pos - kv_begin;
     for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
     pos += n;
   }
-  prefetch_run(kv_begin, 1);
+  prefetch_to(1, kv_begin + kPrefetchKeys);
   // -- pass 2: softmax numerators and their sums (of the capped scores: every key is visible) --
   for (int64_t r = 0; r < rows; ++r) {
     A* sr = scores.data() + r * n_ctx;
@@ -474,10 +782,20 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   // -- pass 3: acc = sum_j p_j v_j, page by page --
   for (int64_t pos = kv_begin; pos < kv_end;) {
     const int64_t n = run_end(pos) - pos;
-    prefetch_run(pos + n, 1);
+    prefetch_to(1, pos + kPrefetchKeys);
+    A* const sc = scores.data() + pos - kv_begin;
+#if KVGRAPH_INT8_VNNI
+    if constexpr (kInt8) {
+      if (vnni) {
+        accumulate_int8(*st, acc, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D, g.stride_slot,
+                        sv.row(lut, b, pos, 1, layer, h), sv.g.stride_slot, n);
+        pos += n;
+        continue;
+      }
+    }
+#endif
     int64_t ld;
     const A* vt = rows_of(pos, n, 1, vf, ld);
-    const A* const sc = scores.data() + pos - kv_begin;
     for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * D, A(1), sc + r * n_ctx, vt, ld, D, n);
     pos += n;
   }
