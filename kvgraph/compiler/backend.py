@@ -51,7 +51,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
-from kvgraph.compiler.direct_kernels import call_cpu_kernel_directly, typed_kernel_errors
+from kvgraph.compiler.direct_kernels import (
+    call_cpu_kernel_directly,
+    redirectable_calls,
+    typed_kernel_errors,
+)
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
 from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
@@ -199,15 +203,17 @@ class GraphRunner:
             raise LoweringError(f"kvgraph could not lower this graph: {result.reason}")
         refuse_own_cache(gm, result.sites)
         self.windows.learn(result)
-        if layout.device.type == "cpu":
-            call_cpu_kernel_directly(gm)
         names = list(result.kv_placeholders)
         for node in gm.graph.find_nodes(op="placeholder"):
             if node.name in names and not hasattr(node, "_dynamo_source"):
                 node._dynamo_source = None  # not a Dynamo input: the runner passes it
+        compiled = gm  # the lowered graph stays as lowered (``kvgraph dump`` shows it); a copy may call kernels
+        if layout.device.type == "cpu" and redirectable_calls(gm):
+            compiled = copy_graph_module(gm)
+            call_cpu_kernel_directly(compiled)
         try:
             with _inductor_config(self.options):
-                fn = _compile_inner(self.options.inner, gm, example_inputs)
+                fn = _compile_inner(self.options.inner, compiled, example_inputs)
         except exceptions_allowed_to_be_fallback as e:
             # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
             raise LoweringError(

@@ -41,6 +41,10 @@ def test_the_graph_calls_the_cpp_kernel_directly(model, cpu_attention, inner):
     compiled = kvgraph.compile(model, manager=mgr, inner=inner)
     decode(compiled, mgr, steps=2)  # every step checked against the eager model
     assert attention_calls(compiled, mgr) == {"kvgraph::ragged_attention": 0, "kvgraph_cpu::ragged_attention": 2}
+    # the lowered graph itself (what ``kvgraph dump`` shows) keeps the op: a copy was redirected
+    (lowered,) = compiled.backend.runners[0].layouts.values()
+    op = torch.ops.kvgraph.ragged_attention.default
+    assert len(lowered.result.gm.graph.find_nodes(op="call_function", target=op)) == 2
 
 
 def test_other_cpu_implementations_keep_the_op(model, cpu_attention):
