@@ -213,7 +213,8 @@ def main() -> None:
     report = {
         "device": name, "peak_gb_per_s": None if peak is None else round(peak / 1e9),
         "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-        "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "torch": torch.__version__, "smoke": args.interpret_smoke,
+        "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "torch": torch.__version__,
+        "smoke": args.interpret_smoke,
         "decode": [decode_row(b, c, args, device, timer, peak) for b in args.batches for c in args.contexts],
         "prefill": [prefill_row(n, args, device, timer) for n in args.prefill_lengths],
     }

@@ -111,8 +111,9 @@ def build() -> None:
         raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
 
 
-def _int8_weight_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    """Shape-only ``kvgraph_cpu::int8_weight_linear``, for the graphs that call it."""
+def int8_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+    """Shape-only ``kvgraph::int8_weight_linear`` and its C++ routing ``kvgraph_cpu::int8_weight_linear``,
+    for the graphs that call them: ``[..., N]`` like x for a weight ``[N, K]``."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -148,7 +149,7 @@ def _define_schema() -> None:
         torch.library.register_fake("kvgraph_cpu::ragged_attention", attention_fake, lib=library)
         library.define("int8_linear_bf16" + INT8_SCHEMA)
         library.define("int8_weight_linear" + INT8_ROUTED_SCHEMA)
-        torch.library.register_fake("kvgraph_cpu::int8_weight_linear", _int8_weight_linear_fake, lib=library)
+        torch.library.register_fake("kvgraph_cpu::int8_weight_linear", int8_linear_fake, lib=library)
         _library = library
 
 

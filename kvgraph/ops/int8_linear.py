@@ -151,10 +151,7 @@ def _int8_weight_linear_default(x: torch.Tensor, weight: torch.Tensor, scales: t
     return _finish(_dequantized_product(x.reshape(-1, x.shape[-1]), weight, scales), x, weight, bias)
 
 
-@torch.library.register_fake("kvgraph::int8_weight_linear", lib=_LIB)
-def _int8_weight_linear_fake(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+torch.library.register_fake("kvgraph::int8_weight_linear", cpp.int8_linear_fake, lib=_LIB)
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

@@ -102,7 +102,8 @@ def _is_position_ids(source: Source) -> bool:
 
 def _is_varkw(source: LocalSource) -> bool:
     """Whether ``source`` is the frame's ``**kwargs``. Dynamo's sources say so in torch 2.13; where
-    they do not (torch 2.11), only the name tells (``kwargs``, as Hugging Face models and nanoGPT-style modules call it)."""
+    they do not (torch 2.11), only the name tells (``kwargs``, as Hugging Face models and
+    nanoGPT-style modules call it)."""
     flag = getattr(source, "is_varkw", None)
     return source.local_name == "kwargs" if flag is None else flag
 

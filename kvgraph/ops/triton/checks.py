@@ -93,7 +93,9 @@ def _check_step(args: AttentionArgs, plan: StepPlan) -> tuple[int, int, int]:
     if plan.scale_group is not None:
         _check_quantized(plan)
         if args.kv_scales.stride(-1) != 1:
-            raise CacheInputError(f"kv_scales must be contiguous along its last dim, got strides {args.kv_scales.stride()}")
+            raise CacheInputError(
+                f"kv_scales must be contiguous along its last dim, got strides {args.kv_scales.stride()}"
+            )
     if plan.head_dim > MAX_HEAD_DIM:
         raise CacheInputError(f"head_dim {plan.head_dim} exceeds the Triton kernels' limit {MAX_HEAD_DIM}")
     if args.kv_blocks.stride(-1) != 1:

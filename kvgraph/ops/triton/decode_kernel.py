@@ -32,7 +32,8 @@ def decode_split_kernel(
 
     Q: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the new
     token (8-bit with its ``Scales`` when ``QUANT``, one per ``QGROUP`` elements). PartAcc: fp32
-    [T, Hq, num_splits, HEAD_DIM_PAD] un-normalised outputs; PartMax, PartSum: fp32 [T, Hq, num_splits] running max (log2 units) and sum; an empty split writes
+    [T, Hq, num_splits, HEAD_DIM_PAD] un-normalised outputs; PartMax, PartSum: fp32
+    [T, Hq, num_splits] running max (log2 units) and sum; an empty split writes
     (-inf, 0, zeros). A sequence with no new token is skipped. qk_scale: softmax scale times
     log2(e); softcap: with ``HAS_SOFTCAP``, the logit cap times log2(e), unused otherwise.
     """

@@ -28,7 +28,8 @@ def prefill_kernel(
 
     Q, Out: [T, Hq, D]; Cache: one layer ``[num_pages, 2, page_size, Hkv, D]`` already holding the
     new tokens (8-bit with its ``Scales`` when ``QUANT``, one per ``QGROUP`` elements). Tile rows
-    are (token, query head of the group) pairs, so each K/V tile is loaded once for the whole group. Query head ``kv_head * GROUP + g`` reads KV head ``kv_head``.
+    are (token, query head of the group) pairs, so each K/V tile is loaded once for the whole group.
+    Query head ``kv_head * GROUP + g`` reads KV head ``kv_head``.
     qk_scale: softmax scale times log2(e); softcap: with ``HAS_SOFTCAP``, the logit cap times
     log2(e) (scores ``s`` become ``c * tanh(s / c)``), unused otherwise.
     """

@@ -60,7 +60,8 @@ def quantize_rows(x, d_valid, QUANT: tl.constexpr, QMAX: tl.constexpr, QGROUP: t
         scales = tl.where((offs_g == g)[None, :], scale, scales)
         per_element = tl.where(in_group, scale, per_element)
     positive = per_element > 0
-    inv = tl.where(positive, tl.math.div_rn(tl.full(ax.shape, 1.0, tl.float32), tl.where(positive, per_element, 1.0)), 0.0)
+    ones = tl.full(ax.shape, 1.0, tl.float32)
+    inv = tl.where(positive, tl.math.div_rn(ones, tl.where(positive, per_element, 1.0)), 0.0)
     y = x * inv
     if QUANT == 1:
         q = tl.minimum(tl.maximum(round_even(y), -QMAX), QMAX).to(tl.int8)
