@@ -4,12 +4,13 @@
 
 One engine, compiled and warmed up once, runs each workload in rounds; every round runs four
 conditions back to back: quiet and contended (a busy-loop process pinned to the last core of this
-process's affinity set), each with the thread governor on (``adaptive``: threads follow the cores
-left free, ``kvgraph/engine/threads.py``) and off (``fixed``, the default: the thread count the
-engine started with). The first adaptive run at a new thread count re-traces the model (Dynamo
-guards on the thread count): that run's time includes it. Every run starts from an empty prefix cache. Greedy outputs must be equal in
-every condition before any figure is printed. Reports each condition's median seconds and its
-throughput relative to the quiet adaptive run, as JSON; the target is >= 0.45 contended.
+process's affinity set), each with the thread governor on (``adaptive``, the default: threads
+follow the cores left free, ``kvgraph/engine/threads.py``) and off (``fixed``,
+``--no-adaptive-threads``: the thread count the engine started with). Every run starts from an
+empty prefix cache. Greedy outputs must be equal in every condition before any figure is printed.
+Reports each condition's median seconds and its throughput relative to the quiet adaptive run, and
+the graphs compiled after warm-up (``recompiles``: a thread count set where Dynamo's guards see it
+would re-trace), as JSON; the target is >= 0.45 contended.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
 
     threads = torch.get_num_threads()  # before the engine's governor can lower it
     model, tokenizer = load_preset(args.model)
-    llm = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, adaptive_threads=True)
+    llm = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024)
     llm.warmup()
     core = max(os.sched_getaffinity(0))
     report = {"model": args.model, "threads": threads, "busy_core": core, "repeats": args.repeats, "workloads": {}}
@@ -106,6 +107,7 @@ def main() -> None:
             "target": {"contended_vs_quiet_min": 0.45},
         }
     torch.set_num_threads(threads)
+    report["recompiles"] = llm.runner.recompiles
     print(json.dumps(report, indent=2))
 
 

@@ -29,3 +29,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def graph_threads(monkeypatch) -> list[int]:
+    """The intra-op thread count at each call of a lowered, compiled graph, in call order."""
+    from kvgraph.compiler import backend
+
+    seen: list[int] = []
+    call = backend.LoweredGraph.__call__
+
+    def spy(self, args, kv):
+        seen.append(torch.get_num_threads())
+        return call(self, args, kv)
+
+    monkeypatch.setattr(backend.LoweredGraph, "__call__", spy)
+    return seen

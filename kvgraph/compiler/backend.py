@@ -57,7 +57,13 @@ from kvgraph.compiler.direct_kernels import (
     typed_kernel_errors,
 )
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
-from kvgraph.compiler.runtime import CacheLayout, check_fit, current_binding, require_binding
+from kvgraph.compiler.runtime import (
+    CacheLayout,
+    check_fit,
+    current_binding,
+    intra_op_threads,
+    require_binding,
+)
 from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
 from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 
@@ -227,7 +233,8 @@ class GraphRunner:
         binding = require_binding()
         lowered = self.lowered(self.fixed_layout or binding.layout, args)
         check_fit(binding, lowered.params, self.graph_device)
-        return lowered(args, binding.tensors(lowered.kv_placeholders))
+        with intra_op_threads(binding.threads):
+            return lowered(args, binding.tensors(lowered.kv_placeholders))
 
 
 class KVGraphBackend:

@@ -87,6 +87,8 @@ class Binding:
     kv_inputs: RaggedKVCacheInputs
     input_row_offsets: torch.Tensor
     logit_positions: torch.Tensor | None = None
+    threads: int | None = None
+    """Intra-op threads the compiled graphs run this step on; ``None``: the process's count."""
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:
@@ -204,6 +206,7 @@ def bind(
     kv_inputs: RaggedKVCacheInputs | Sequence[RaggedKVCacheInputs] | KVCacheInputsSequence,
     input_row_offsets: torch.Tensor,
     logit_positions: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> Iterator[Binding]:
     """Bind one step's KV inputs for compiled kvgraph callables called in this thread.
 
@@ -226,7 +229,9 @@ def bind(
     _check_structure(kv, input_row_offsets)
     if logit_positions is not None:
         _check_positions(logit_positions, input_row_offsets)
-    binding = Binding(kv, input_row_offsets, logit_positions)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BindingError(f"threads must be a positive int or None, got {threads!r}")
+    binding = Binding(kv, input_row_offsets, logit_positions, threads)
     _STACK.bindings.append(binding)
     try:
         with bound_step(kv.blocks, kv.cache_lengths, kv.lookup_table, input_row_offsets, kv.max_lengths,
@@ -234,6 +239,21 @@ def bind(
             yield binding
     finally:
         _STACK.bindings.pop()
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block on ``threads`` intra-op threads (``torch.set_num_threads``), the count before
+    restored after it; ``None`` or the current count: change nothing."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def current_binding() -> Binding | None:

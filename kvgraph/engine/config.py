@@ -51,11 +51,11 @@ class EngineConfig:
         progress: show on stderr what the first call of each step shape is compiling.
         tensor_parallel_size: ranks the model's heads and MLP are split over.
         trust_remote_code: let a checkpoint directory run its own modelling code.
-        adaptive_threads: on the CPU with one rank, set the intra-op thread count between steps to
-            the cores other processes leave free, from 1 up to ``torch.get_num_threads()`` when the
-            engine is made (``kvgraph.engine.threads``). Off by default: Dynamo guards on the
-            thread count, so the first step at each new count re-traces the model (its graphs then
-            come from Inductor's cache) and counts as a recompile.
+        adaptive_threads: on the CPU with one rank, run each step on the cores other processes
+            leave free, from 1 up to ``torch.get_num_threads()`` when the engine is made
+            (``kvgraph.engine.threads``), instead of a fixed count that stalls every layer while
+            another process shares a core. The count is set past Dynamo's guards, so a new one
+            re-traces nothing. On by default.
         quantization: store the linear layers' weights quantized before capture: ``None``, or one
             of ``kvgraph.engine.quantization.QUANTIZATION_SCHEMES`` (``"int8-weight-only"``: int8
             weights with a scale per row; needs ``dtype=torch.bfloat16``, one rank and the
@@ -87,7 +87,7 @@ class EngineConfig:
     progress: bool = True
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
-    adaptive_threads: bool = False
+    adaptive_threads: bool = True
     quantization: str | None = None
     quantize_lm_head: bool = False
     kv_cache_dtype: torch.dtype | str | None = None

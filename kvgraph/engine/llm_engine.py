@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kvgraph.cache.symbols import INDEX_DTYPE
+from kvgraph.compiler.runtime import intra_op_threads
 from kvgraph.compiler.step import prepare_step
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.detokenize import IncrementalDetokenizer
@@ -114,7 +115,8 @@ class LLMEngine:
         )
         self.threads = (
             ThreadGovernor(torch.get_num_threads())
-            if config.adaptive_threads and self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
+            if config.adaptive_threads and self.device.type == "cpu" and config.tensor_parallel_size == 1
+            and torch.get_num_threads() > 1 else None
         )
         self._stats = EngineStats()
         self._requests: dict[int, EngineRequest] = {}
@@ -326,23 +328,25 @@ class LLMEngine:
         generators = [r.generator for r in requests]
         rows = _LogitRows.of(out.entries, new_tokens, self.device)
         sampled, logprobs, processor = [], [], None
+        threads = self.threads.threads if self.threads is not None else None  # the governor's count
         for step in range(out.num_steps):
             if step > 0:
                 # multistep: a batch of decodes, one token per sequence per step
                 kv_inputs = self.manager.increment_cache_lengths(kv_inputs, offsets)
                 input_ids, position_ids = sampled[-1][None], position_ids + 1
-            logits = self.runner(kv_inputs, input_ids, position_ids, offsets, rows.positions)  # [positions, V]
-            if rows.positions is not None:
-                logits = rows.score_prompts(out.entries, starts, logits)  # [batch, V]
-            if len(run.rows) != logits.shape[0]:  # some rows are prompt chunks that sample nothing
-                logits = logits[run.rows]  # [rows, V]
-            if step == 0:
-                processor = LogitsProcessor.build(params, requests, logits.shape[-1], logits.device)
-            if processor is not None:
-                logits = processor(logits)
-            picked = sample(logits, params, generators)
-            if processor is not None:
-                processor.advance(picked.tokens)
+            logits = self.runner(kv_inputs, input_ids, position_ids, offsets, rows.positions, threads)  # [positions, V]
+            with intra_op_threads(threads):
+                if rows.positions is not None:
+                    logits = rows.score_prompts(out.entries, starts, logits)  # [batch, V]
+                if len(run.rows) != logits.shape[0]:  # some rows are prompt chunks that sample nothing
+                    logits = logits[run.rows]  # [rows, V]
+                if step == 0:
+                    processor = LogitsProcessor.build(params, requests, logits.shape[-1], logits.device)
+                if processor is not None:
+                    logits = processor(logits)
+                picked = sample(logits, params, generators)
+                if processor is not None:
+                    processor.advance(picked.tokens)
             sampled.append(picked.tokens)
             logprobs.append(picked.logprobs)
         run.tokens = torch.stack(sampled).tolist()  # [num_steps, rows]: the one host sync (and one per step with logprobs)
@@ -473,7 +477,7 @@ class LLMEngine:
             "requests_waiting": len(self.scheduler.waiting),
             "inductor_cache_hits": self.runner.cache_hits,
             "inductor_cache_misses": self.runner.cache_misses,
-            "threads": torch.get_num_threads(),
+            "threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
             "thread_changes": self.threads.changes if self.threads is not None else 0,
             "others_cores": self.threads.others if self.threads is not None else None,
         }

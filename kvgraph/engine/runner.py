@@ -68,6 +68,7 @@ class ModelRunner:
         position_ids: torch.Tensor,
         input_row_offsets: torch.Tensor,
         logit_positions: torch.Tensor | None = None,
+        threads: int | None = None,
     ) -> torch.Tensor:
         """Next-token logits of each sequence's last new token (or of ``logit_positions``).
 
@@ -78,6 +79,8 @@ class ModelRunner:
             input_row_offsets: ``int32 [batch + 1]``: prefix sums of new tokens per sequence.
             logit_positions: ``int32 [rows]``: the flattened token indices whose logits to return;
                 ``None``: each sequence's last new token (``rows = batch``).
+            threads: intra-op threads the compiled graph runs on (``kvgraph.bind``'s ``threads``:
+                set past Dynamo's guards, so a new count re-traces nothing); ``None``: the process's.
         Returns:
             ``[rows, V]`` logits in the model's dtype.
         """
@@ -98,7 +101,7 @@ class ModelRunner:
                 # One token shows no sliding window wider than itself and the model's config gave
                 # none: lower the several-token graph first, whose windows the one-token graph takes.
                 self._several_token_graph()
-            out = self._call(first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions)
+            out = self._call(first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions, threads)
         new = compiled_graphs(self.compiled) - graphs
         if new:
             self.compile_s += time.perf_counter() - start
@@ -119,7 +122,7 @@ class ModelRunner:
             )
         return logits[0]
 
-    def _call(self, first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions):
+    def _call(self, first, kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions, threads):
         """The compiled model on one bound step. Once its shape class has run, Dynamo evaluates
         only the guards that tell its compiled graphs apart (``skip_guard_eval_unsafe``; the engine
         alone feeds the model, always the same kinds of tensors); a call that would compile
@@ -129,12 +132,12 @@ class ModelRunner:
         if self.skip_guards and not first:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True), \
-                        bind(kv_inputs, input_row_offsets, logit_positions):
+                        bind(kv_inputs, input_row_offsets, logit_positions, threads):
                     return self.compiled(input_ids=input_ids, position_ids=position_ids)
             except RuntimeError as e:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
-        with bind(kv_inputs, input_row_offsets, logit_positions):
+        with bind(kv_inputs, input_row_offsets, logit_positions, threads):
             return self.compiled(input_ids=input_ids, position_ids=position_ids)
 
     def _several_token_graph(self) -> None:

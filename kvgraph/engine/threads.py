@@ -5,11 +5,14 @@ the cores, the thread that shares it runs in time slices, and every region of ev
 for it: on a 2-core host one busy neighbour makes a 2-thread ``F.linear`` at decode shapes 2-4x
 slower than the same call on 1 thread (``benchmarks/contention.py``). The governor samples, at most
 every ``interval_s`` between steps, how much CPU time the other processes took on the cores this
-process may run on (``/proc/stat`` per core, minus this process's own time), and sets
-``torch.set_num_threads`` to the cores left, between 1 and the thread count the engine started
-with. Nothing else changes: the same kernels run, on fewer threads while the cores are shared.
-Inductor's kernels take the thread count at run time (``kvgraph.compiler.backend`` compiles them with
-``cpp.dynamic_threads``), so every kernel of a step follows it.
+process may run on (``/proc/stat`` per core, minus this process's own time), and picks the
+cores left, between 1 and the thread count the engine started with. The engine runs each step's
+graphs and sampling on that many threads (``kvgraph.bind``'s ``threads``), set only once Dynamo's
+guards have passed: Dynamo guards on the process's thread count, which stays as it was, so a new
+count re-traces nothing. Nothing else changes: the same kernels run, on fewer threads while the
+cores are shared. Inductor's kernels take the thread count at run time
+(``kvgraph.compiler.backend`` compiles them with ``cpp.dynamic_threads``), so every kernel of a
+step follows it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-
-import torch
 
 BUSY_FRACTION = 0.25  # a core counts as taken when others used more than this share of it
 
@@ -54,7 +55,7 @@ def read_sample(cores: frozenset[int]) -> CpuSample | None:
 
 
 class ThreadGovernor:
-    """Sets the intra-op thread count to the cores the other processes leave free.
+    """Picks the intra-op thread count of each step: the cores the other processes leave free.
 
     Args:
         max_threads: the most threads to use (the count the engine started with).
@@ -87,8 +88,7 @@ class ThreadGovernor:
         self._last = sample
         free = len(self.cores) - math.ceil(self.others - BUSY_FRACTION)
         threads = max(1, min(self.max_threads, free))
-        if threads != torch.get_num_threads():  # what runs now, whoever set it last
-            torch.set_num_threads(threads)
+        if threads != self.threads:
             self.changes += 1
         self.threads = threads
         return self.threads

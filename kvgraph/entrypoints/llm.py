@@ -27,7 +27,7 @@ class LLM(LLMEngine):
     pool; default: room for ``max_batch_size`` sequences of ``max_seq_len`` tokens),
     ``enable_prefix_caching=True``, ``num_steps=1``, ``compile="inductor"``, ``freeze_weights=None`` (auto),
     ``packed_linears=True``, ``device=None``, ``dtype=None``, ``progress=True``, ``tensor_parallel_size=1``,
-    ``trust_remote_code=False``, ``adaptive_threads=False``, ``quantization=None`` (or
+    ``trust_remote_code=False``, ``adaptive_threads=True``, ``quantization=None`` (or
     ``"int8-weight-only"``: int8 linear weights, with ``dtype=torch.bfloat16``),
     ``quantize_lm_head=False``. ``config=EngineConfig(...)`` gives them as one object instead
     (``options`` given as well override its fields). Everything :class:`LLMEngine` offers works here.

@@ -283,3 +283,27 @@ def test_many_compiled_hugging_face_models_in_one_process():
             decode_ = run_step(compiled, mgr, [KVRequest(seq, [1])]).logits[0, 0]
             want = llama(torch.tensor([[3, 1, 4, 1]]), use_cache=False).logits[0]
         torch.testing.assert_close(torch.stack([prefill, decode_]), want[[2, 3]], atol=2e-5, rtol=2e-5)
+
+
+def test_a_bound_thread_count_runs_the_graph_on_it_past_dynamos_guards(model, graph_threads):
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    mgr = manager()
+    compiled = kvgraph.compile(model, manager=mgr, inner="eager")
+    (seq,) = mgr.claim(1)
+    history = []
+
+    def step(tokens, threads):
+        history.extend(tokens)
+        kv = mgr.fetch([KVRequest(seq, tokens)])
+        s = prepare_step([tokens], kv[0].cache_lengths)
+        with torch.no_grad(), kvgraph.bind(kv, s.input_row_offsets, threads=threads):
+            logits = compiled(input_ids=s.input_ids, position_ids=s.position_ids)
+        mgr.step([KVRequest(seq, tokens)])
+        torch.testing.assert_close(logits[0], eager_last_logits(model, [history]), atol=2e-5, rtol=2e-5)
+
+    step([1, 2, 3], None)
+    graphs = len(compiled.backend.runners)
+    step([4, 5], other)  # Dynamo's guard on the thread count sees the process's count: no re-trace
+    assert len(compiled.backend.runners) == graphs
+    assert graph_threads == [before, other] and torch.get_num_threads() == before

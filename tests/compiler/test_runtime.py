@@ -18,6 +18,7 @@ from kvgraph.compiler.runtime import (
     CacheLayout,
     check_fit,
     current_binding,
+    intra_op_threads,
     require_binding,
 )
 from tests.naming import raises_naming
@@ -214,3 +215,24 @@ def test_check_fit_checks_index_tensors_against_the_graph_types():
         with raises_naming(BindingError, "lookup_table", "dim 0 (batch_size) is 1", "batch_size is 2"):
 
             check_fit(b, paged_params())
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_bind_rejects_thread_counts_that_are_not_positive_ints(threads):
+    kv, offs = fetched(paged_params())
+    with raises_naming(BindingError, "threads", repr(threads)), kvgraph.bind(kv, offs, threads=threads):
+        pass
+    assert current_binding() is None
+
+
+def test_intra_op_threads_are_restored_after_the_block_and_on_error():
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    with intra_op_threads(target):
+        assert torch.get_num_threads() == target
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="boom"), intra_op_threads(target):
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before

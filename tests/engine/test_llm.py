@@ -174,13 +174,34 @@ def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
     runner.cache_hits = runner.cache_misses = 0
 
 
-def test_the_thread_governor_runs_on_the_cpu_when_asked(llama):
+def test_the_thread_governor_runs_on_the_cpu_by_default_with_threads_to_govern(llama, monkeypatch):
     model, _ = llama
-    assert LLM(model, compile="eager", progress=False, adaptive_threads=True).threads is not None
-    fixed = LLM(model, compile="eager", progress=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert LLM(model, compile="eager", progress=False).threads is not None
+    fixed = LLM(model, compile="eager", progress=False, adaptive_threads=False)
     assert fixed.threads is None and fixed.stats()["others_cores"] is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert LLM(model, compile="eager", progress=False).threads is None  # one thread: nothing to take away
     with pytest.raises(ConfigError, match=r"adaptive_threads.*'yes'"):
         LLM(model, adaptive_threads="yes")
+
+
+def test_a_governed_thread_count_runs_the_steps_on_it_without_recompiling(llama, hf_greedy, monkeypatch,
+                                                                          graph_threads):
+    model, _ = llama
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("needs two intra-op threads to take one away")
+    llm = LLM(model, compile="eager", progress=False)
+    llm.warmup()
+    graph_threads.clear()
+    monkeypatch.setattr(llm.threads, "update", lambda: setattr(llm.threads, "threads", 1) or 1)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 5) for p in prompts]
+    assert set(graph_threads) == {1} and torch.get_num_threads() == before
+    stats = llm.stats()
+    assert stats["recompiles"] == 0 and stats["threads"] == 1
 
 
 def test_bad_constructor_arguments_raise_before_compiling(llama):

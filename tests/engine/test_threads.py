@@ -48,7 +48,8 @@ def test_threads_are_the_cores_other_processes_leave(monkeypatch, restore_thread
     _feed(monkeypatch, [CpuSample(0.0, 0.0, 0.0), CpuSample(1.0, busy, own)])
     governor = ThreadGovernor(2, interval_s=0.5)
     governor.cores = frozenset({0, 1})
-    assert governor.update() == threads == torch.get_num_threads()
+    assert governor.update() == threads
+    assert torch.get_num_threads() == 2  # the engine applies the count per step, past Dynamo's guards
     assert governor.others == pytest.approx(busy - own)
     assert governor.changes == (threads != 2)
 
@@ -58,7 +59,7 @@ def test_threads_come_back_when_the_other_process_stops(monkeypatch, restore_thr
     governor = ThreadGovernor(2, interval_s=0.5)
     governor.cores = frozenset({0, 1})
     assert governor.update() == 1
-    assert governor.update() == 2 == torch.get_num_threads() and governor.changes == 2
+    assert governor.update() == 2 and governor.changes == 2
 
 
 def test_no_decision_before_the_interval_has_passed(monkeypatch, restore_threads):

@@ -115,10 +115,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
                    "core). Fewer leave cores to other work on the host, e.g. the HTTP server's event "
                    "loop or a load generator next to `kvgraph serve`")
-    g.add_argument("--adaptive-threads", action="store_true",
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction,
+                   default=_default("adaptive_threads"),
                    help="between steps, run the kernels on the cores other processes leave free (from 1 "
-                   "up to --threads) instead of a fixed thread count; the first step at each new count "
-                   "re-traces the model"),
+                   "up to --threads) instead of a fixed thread count (default: on; --no-adaptive-threads "
+                   "keeps the count fixed)")
     add_quantization_args(g)
     g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
                    help="split the model's heads and MLP over this many ranks (default %(default)s): "

@@ -50,6 +50,6 @@ def test_bench_no_floor_leaves_out_the_floor_row(kvgraph_cli, fast_flags, tmp_pa
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["torch_threads"] == 1  # --threads
-    assert report["kvgraph_stats"]["others_cores"] is None  # no --adaptive-threads: no governor
+    assert report["kvgraph_stats"]["others_cores"] is None  # one thread: nothing for a governor to take away
     assert [r["system"] for r in report["results"]] == ["kvgraph"]
     assert report["kvgraph_vs_floor"] is None and "matmul floor" not in done.stdout

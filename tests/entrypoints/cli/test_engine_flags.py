@@ -32,13 +32,13 @@ def test_each_flag_sets_its_field():
         "generate", "--cache", "continuous", "--page-size", "8", "--max-batch-size", "3", "--max-seq-len", "96",
         "--max-batch-tokens", "40", "--kv-cache-memory", "4096", "--no-prefix-caching", "--num-steps", "2",
         "--compile", "eager", "--no-freeze-weights", "--device", "cpu", "--dtype", "bfloat16",
-        "--tensor-parallel-size", "2", "--trust-remote-code", "--adaptive-threads",
+        "--tensor-parallel-size", "2", "--trust-remote-code", "--no-adaptive-threads",
     ])
     assert engine_config(args, progress=False) == EngineConfig(
         cache_strategy="continuous", page_size=8, max_batch_size=3, max_seq_len=96, max_batch_tokens=40,
         kv_cache_memory=4096, enable_prefix_caching=False, num_steps=2, compile="eager", freeze_weights=False,
         device="cpu", dtype=torch.bfloat16, progress=False, tensor_parallel_size=2, trust_remote_code=True,
-        adaptive_threads=True,
+        adaptive_threads=False,
     )
 
 
