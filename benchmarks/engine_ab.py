@@ -3,22 +3,25 @@ layers packed by kvgraph or left to Inductor, and Dynamo guard evaluation skippe
 
     python benchmarks/engine_ab.py --model llama-56m --workloads mixed,decode-heavy --repeats 3
 
-Engines: ``frozen`` (the default: ``freeze_weights=True``, guards skipped after each shape class's
-first call), ``unfrozen`` (``freeze_weights=False``), ``inductor_linears`` (frozen, with
-``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``), and
-``all_guards`` (frozen, every guard
-evaluated at every call: ``ModelRunner.skip_guards = False``; it shares the ``frozen`` engine's
+Engines: ``frozen`` (``freeze_weights=True``; guards skipped after each shape class's first
+call, as in all of them), ``unfrozen`` (``freeze_weights=False``), ``inductor_linears`` (frozen,
+with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``),
+``default`` (the default settings), ``python_linears`` (the defaults, with the graphs calling
+``kvgraph::linear``'s Python implementation instead of ``kvgraph_cpu::packed_linear``), and
+``all_guards`` (frozen, every guard evaluated at every call: ``ModelRunner.skip_guards = False``;
+it shares the ``frozen`` engine's
 compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
 and warmed up before timing (the compiled graphs are warm-up) and runs each workload once untimed
 (the GEMM kernels oneDNN builds per new shape are warm-up too); every timed run starts from an
 empty prefix cache (``kvgraph.entrypoints.cli.bench.run_kvgraph``). Within a repeat the variants
-take turns, in a rotated order per repeat. Prints medians, each run, the ratios to ``frozen``, and
-whether the greedy outputs agree with ``frozen``'s.
+take turns, in a rotated order per repeat. Prints medians, each run, the ratios to the first
+variant named, and whether the greedy outputs agree with its.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -28,6 +31,7 @@ import torch
 
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.llm import LLM
+from kvgraph.ops import cpp
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 
@@ -36,7 +40,23 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "frozen": {"freeze_weights": True},
     "unfrozen": {"freeze_weights": False},
     "inductor_linears": {"freeze_weights": True, "packed_linears": False},
+    "default": {},
+    "python_linears": {},  # the defaults, compiled with kvgraph::linear's Python implementation in the graph
 }
+
+
+@contextlib.contextmanager
+def compiled_as(name: str):
+    """While ``name``'s engine compiles: ``python_linears`` keeps its graphs off ``kvgraph_cpu::packed_linear``."""
+    if name != "python_linears":
+        yield
+        return
+    saved = cpp.packed_linear_kernel
+    cpp.packed_linear_kernel = lambda: None
+    try:
+        yield
+    finally:
+        cpp.packed_linear_kernel = saved
 
 
 def main() -> None:
@@ -58,7 +78,8 @@ def main() -> None:
             t = time.perf_counter()
             engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
                                 dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
-            engines[name].warmup()
+            with compiled_as(name):
+                engines[name].warmup()
             started[name] = round(time.perf_counter() - t, 1)
     report = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
     for workload_name in args.workloads.split(","):

@@ -1,6 +1,7 @@
 """Build and load kvgraph's C++ CPU kernels: ``kvgraph::ragged_attention``
-(``csrc/ragged_attention_cpu.cpp``) and the fused int8 weight-only linear layer of
-``kvgraph::int8_weight_linear`` (``csrc/int8_linear_cpu.cpp``), one library.
+(``csrc/ragged_attention_cpu.cpp``), the fused int8 weight-only linear layer of
+``kvgraph::int8_weight_linear`` (``csrc/int8_linear_cpu.cpp``) and ``kvgraph::linear``'s packed
+float32 path (``csrc/packed_linear_cpu.cpp``), one library.
 
 The library is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
 compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself runs on this CPU
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
+PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
+PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "
                       "int matvec_rows, Tensor? act_scales=None) -> Tensor")
@@ -111,9 +114,10 @@ def build() -> None:
         raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
 
 
-def int8_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    """Shape-only ``kvgraph::int8_weight_linear`` and its C++ routing ``kvgraph_cpu::int8_weight_linear``,
-    for the graphs that call them: ``[..., N]`` like x for a weight ``[N, K]``."""
+def linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+    """Shape-only linear layers for the graphs that call them (``kvgraph::int8_weight_linear``, its
+    C++ routing ``kvgraph_cpu::int8_weight_linear``, ``kvgraph_cpu::packed_linear``): ``[..., N]``
+    like x for a weight ``[N, K]``."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -134,9 +138,9 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink()
 
 
-def sources() -> tuple[Path, Path]:
-    """The library's C++ sources: the attention kernel and the int8 linear layer."""
-    return SOURCE, INT8_SOURCE
+def sources() -> tuple[Path, ...]:
+    """The library's C++ sources: the attention kernel, the int8 linear layer, the packed float32 one."""
+    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE
 
 
 def _define_schema() -> None:
@@ -149,7 +153,9 @@ def _define_schema() -> None:
         torch.library.register_fake("kvgraph_cpu::ragged_attention", attention_fake, lib=library)
         library.define("int8_linear_bf16" + INT8_SCHEMA)
         library.define("int8_weight_linear" + INT8_ROUTED_SCHEMA)
-        torch.library.register_fake("kvgraph_cpu::int8_weight_linear", int8_linear_fake, lib=library)
+        torch.library.register_fake("kvgraph_cpu::int8_weight_linear", linear_fake, lib=library)
+        library.define("packed_linear" + PACKED_LINEAR_SCHEMA)
+        torch.library.register_fake("kvgraph_cpu::packed_linear", linear_fake, lib=library)
         _library = library
 
 
@@ -256,6 +262,16 @@ def int8_kernel():
             logger.info("%s; kvgraph::int8_weight_linear runs without its fused kernel", error)
         return None
     return torch.ops.kvgraph_cpu.int8_linear_bf16.default
+
+
+def packed_linear_kernel():
+    """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
+    pack kept in C++), or ``None`` where the library cannot be built or PyTorch has no MKL."""
+    from kvgraph.ops.linear import has_mkl
+
+    if not has_mkl() or _load() is not None:
+        return None
+    return torch.ops.kvgraph_cpu.packed_linear.default
 
 
 def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:

@@ -151,7 +151,7 @@ def _int8_weight_linear_default(x: torch.Tensor, weight: torch.Tensor, scales: t
     return _finish(_dequantized_product(x.reshape(-1, x.shape[-1]), weight, scales), x, weight, bias)
 
 
-torch.library.register_fake("kvgraph::int8_weight_linear", cpp.int8_linear_fake, lib=_LIB)
+torch.library.register_fake("kvgraph::int8_weight_linear", cpp.linear_fake, lib=_LIB)
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

@@ -25,12 +25,12 @@ def cpu_attention(monkeypatch):
     return choose
 
 
-def attention_calls(compiled, mgr) -> dict[str, int]:
-    """Calls of the op and of the C++ kernel in one more decode step."""
+def attention_calls(compiled, mgr, ops=("kvgraph::ragged_attention", "kvgraph_cpu::ragged_attention")) -> dict[str, int]:
+    """Calls of the ops (by default the attention op and its C++ kernel) in one more decode step."""
     with torch.profiler.profile() as prof:
         decode(compiled, mgr, steps=0, prompts=[[4, 2]])
     names = [e.name for e in prof.events()]
-    return {name: names.count(name) for name in ("kvgraph::ragged_attention", "kvgraph_cpu::ragged_attention")}
+    return {name: names.count(name) for name in ops}
 
 
 @pytest.mark.parametrize("inner", ["inductor", "eager"])
@@ -45,6 +45,20 @@ def test_the_graph_calls_the_cpp_kernel_directly(model, cpu_attention, inner):
     (lowered,) = compiled.backend.runners[0].layouts.values()
     op = torch.ops.kvgraph.ragged_attention.default
     assert len(lowered.result.gm.graph.find_nodes(op="call_function", target=op)) == 2
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_the_graph_calls_the_packed_linear_kernel_directly(model, inner):
+    if cpp.packed_linear_kernel() is None:
+        pytest.skip("kvgraph's C++ library does not build here, or PyTorch has no MKL")
+    mgr = manager()
+    compiled = kvgraph.compile(model, manager=mgr, inner=inner)
+    decode(compiled, mgr, steps=2)  # every step checked against the eager model
+    (lowered,) = compiled.backend.runners[0].layouts.values()
+    linears = len(lowered.result.gm.graph.find_nodes(op="call_function", target=torch.ops.kvgraph.linear.default))
+    assert linears > 0  # the lowered graph itself keeps the op
+    calls = attention_calls(compiled, mgr, ("kvgraph::linear", "kvgraph_cpu::packed_linear"))
+    assert calls == {"kvgraph::linear": 0, "kvgraph_cpu::packed_linear": linears}
 
 
 def test_other_cpu_implementations_keep_the_op(model, cpu_attention):

@@ -1,0 +1,82 @@
+"""``kvgraph_cpu::packed_linear``: ``kvgraph::linear``'s packed float32 path with the pack kept in
+C++ (what compiled CPU graphs call), equal to the op's Python path bit for bit, repacked when the
+weight changes, and ``F.linear`` wherever the packed path does not apply."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvgraph.ops import cpp
+from kvgraph.ops import linear as L
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = cpp.packed_linear_kernel()
+    if found is None:
+        pytest.skip("kvgraph's C++ library does not build here, or PyTorch has no MKL")
+    return found
+
+
+def call(kernel, x, w, b=None):
+    return kernel(x, w, b, L.MAX_PACKED_ROWS, L.PACK_ROWS)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, L.PACK_ROWS, L.PACK_ROWS + 1, L.MAX_PACKED_ROWS])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_equals_the_ops_python_path_bit_for_bit(kernel, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 96, generator=g)
+    b = torch.randn(300, generator=g) if with_bias else None
+    x = torch.randn(1, rows, 96, generator=g)
+    with torch.inference_mode():
+        got = call(kernel, x, w, b)
+        assert torch.equal(got, L.linear(x, w, b))
+    assert got.shape == (1, rows, 300)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_repacks_after_an_in_place_change_of_the_weight(kernel):
+    x, w = torch.randn(3, 16), torch.randn(11, 16)
+    with torch.no_grad():
+        first = call(kernel, x, w)
+        w.mul_(2)
+        torch.testing.assert_close(call(kernel, x, w), 2 * first, rtol=1e-5, atol=1e-4)
+        w.copy_(torch.randn(11, 16))
+        torch.testing.assert_close(call(kernel, x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_a_new_weight_where_a_dead_one_was_gets_its_own_pack(kernel):
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        for seed in range(20):  # freed weights: their memory and TensorImpl addresses come back
+            w = torch.randn(40, 32, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(call(kernel, x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+            del w
+            gc.collect()
+
+
+def test_a_non_contiguous_weight_is_packed_as_its_values(kernel):
+    w = torch.randn(16, 11).t()
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(call(kernel, x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [0, L.MAX_PACKED_ROWS + 1])
+def test_empty_and_prefill_sized_inputs_run_f_linear(kernel, rows):
+    x, w = torch.randn(rows, 16), torch.randn(11, 16)
+    with torch.inference_mode():
+        assert torch.equal(call(kernel, x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes_and_grad_mode_run_f_linear(kernel, dtype):
+    x, w = torch.randn(3, 16, dtype=dtype), torch.randn(11, 16, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(call(kernel, x, w), F.linear(x, w))
+    x32, w32 = torch.randn(3, 16, requires_grad=True), torch.randn(11, 16)
+    out = call(kernel, x32, w32)  # autograd on: the plain op
+    assert torch.equal(out.detach(), F.linear(x32, w32).detach())
