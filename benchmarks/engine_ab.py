@@ -7,7 +7,8 @@ Engines: ``frozen`` (``freeze_weights=True``; guards skipped after each shape cl
 call, as in all of them), ``unfrozen`` (``freeze_weights=False``), ``inductor_linears`` (frozen,
 with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``),
 ``default`` (the default settings), ``python_linears`` (the defaults, with the graphs calling
-``kvgraph::linear``'s Python implementation instead of ``kvgraph_cpu::packed_linear``), and
+``kvgraph::linear``'s Python implementation instead of ``kvgraph_cpu::packed_linear``),
+``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), and
 ``all_guards`` (frozen, every guard evaluated at every call: ``ModelRunner.skip_guards = False``;
 it shares the ``frozen`` engine's
 compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
@@ -29,6 +30,7 @@ import time
 
 import torch
 
+from kvgraph.compiler import backend
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.ops import cpp
@@ -42,21 +44,37 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "inductor_linears": {"freeze_weights": True, "packed_linears": False},
     "default": {},
     "python_linears": {},  # the defaults, compiled with kvgraph::linear's Python implementation in the graph
+    "with_asserts": {},  # the defaults, compiled with Inductor's size and alignment asserts
 }
 
 
 @contextlib.contextmanager
 def compiled_as(name: str):
-    """While ``name``'s engine compiles: ``python_linears`` keeps its graphs off ``kvgraph_cpu::packed_linear``."""
-    if name != "python_linears":
+    """While ``name``'s engine compiles: ``python_linears`` keeps its graphs off ``kvgraph_cpu::packed_linear``,
+    ``with_asserts`` turns Inductor's size and alignment asserts back on."""
+    if name == "python_linears":
+        saved = cpp.packed_linear_kernel
+        cpp.packed_linear_kernel = lambda: None
+        try:
+            yield
+        finally:
+            cpp.packed_linear_kernel = saved
+    elif name == "with_asserts":
+        saved = backend._inductor_config
+
+        def with_asserts(options):
+            stack = contextlib.ExitStack()
+            stack.enter_context(saved(options))
+            stack.enter_context(torch._inductor.config.patch(size_asserts=True, alignment_asserts=True))
+            return stack
+
+        backend._inductor_config = with_asserts
+        try:
+            yield
+        finally:
+            backend._inductor_config = saved
+    else:
         yield
-        return
-    saved = cpp.packed_linear_kernel
-    cpp.packed_linear_kernel = lambda: None
-    try:
-        yield
-    finally:
-        cpp.packed_linear_kernel = saved
 
 
 def main() -> None:

@@ -336,13 +336,22 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:
 
 def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManager:
     """Inductor's settings for this compile, when the inner is Inductor: ``freezing`` when
-    ``options.freeze_weights``, and ``cpp.dynamic_threads`` always, so that its CPU kernels take the
-    thread count at run time (``kvgraph.engine.threads``) rather than the one at compile time."""
+    ``options.freeze_weights``; ``cpp.dynamic_threads`` always, so that its CPU kernels take the
+    thread count at run time (``kvgraph.engine.threads``) rather than the one at compile time; and
+    no size or alignment asserts (Inductor checks each input's and each extern kernel's output's
+    sizes and strides at every call: about 150 Python calls a step on ``llama-56m``). They hold
+    by construction here: Dynamo guards the model's inputs and weights, the runtime checks the
+    bound cache against the graph (:func:`~kvgraph.compiler.runtime.check_fit`), and the extern
+    kernels are ATen's and kvgraph's ops, whose fake implementations give their outputs' sizes and
+    strides (kvgraph's: tested against the kernels, ``tests/compiler/test_direct_kernels.py``)."""
     if options.inner != "inductor":
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch({"freezing": options.freeze_weights, "cpp.dynamic_threads": True})
+    return inductor_config.patch({
+        "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
+        "size_asserts": False, "alignment_asserts": False,
+    })
 
 
 def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:

@@ -1,6 +1,8 @@
 """A compiled CPU graph calls the C++ attention kernel directly when it serves the op, keeps
 ``kvgraph::ragged_attention`` otherwise, and the kernel's errors still arrive typed."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -76,3 +78,29 @@ def test_the_kernels_value_errors_arrive_as_cache_input_errors():
         raise CacheInputError("already typed")
     with pytest.raises(TypeError), typed_kernel_errors():
         raise TypeError("not the kernel's")
+
+
+def test_the_size_asserts_inductor_leaves_out_would_pass(model, monkeypatch):
+    """kvgraph compiles without Inductor's size and alignment asserts: with them on, every input and
+    every extern kernel's output (the C++ attention and linear kernels here) matches what the graph
+    was compiled for, at every step."""
+    from kvgraph.compiler import backend
+
+    if cpp.packed_linear_kernel() is None or attention.cpu_implementation() != "cpp":
+        pytest.skip("kvgraph's C++ library does not build here")
+    kvgraph_config = backend._inductor_config
+
+    def with_asserts(options):
+        stack = contextlib.ExitStack()
+        stack.enter_context(kvgraph_config(options))
+        # compiled afresh: a cached graph would carry the asserts of the fakes it was compiled with
+        stack.enter_context(torch._inductor.config.patch(size_asserts=True, alignment_asserts=True,
+                                                         force_disable_caches=True))
+        return stack
+
+    monkeypatch.setattr(backend, "_inductor_config", with_asserts)
+    mgr = manager()
+    compiled = kvgraph.compile(model, manager=mgr, inner="inductor")
+    decode(compiled, mgr, steps=2)
+    calls = attention_calls(compiled, mgr, ("kvgraph_cpu::packed_linear", "kvgraph_cpu::ragged_attention"))
+    assert min(calls.values()) > 0
