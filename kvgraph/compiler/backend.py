@@ -57,6 +57,7 @@ from kvgraph.compiler.direct_kernels import (
     typed_kernel_errors,
 )
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
+from kvgraph.compiler.isa_probes import remember_isa_probes
 from kvgraph.compiler.runtime import (
     CacheLayout,
     check_fit,
@@ -348,6 +349,7 @@ def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManag
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
+    remember_isa_probes()  # its vector-ISA probe: ~2 s a process, answered from earlier processes
     return inductor_config.patch({
         "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
         "size_asserts": False, "alignment_asserts": False,

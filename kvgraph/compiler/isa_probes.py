@@ -1,0 +1,105 @@
+"""Inductor's CPU vector-ISA probes, remembered across processes.
+
+Before Inductor compiles its first CPU kernel in a process it checks which vector instruction sets
+(AVX2, AVX-512, VNNI, AVX512-BF16, AMX) its C++ kernels may use: for each, a tiny library
+compiled once into Inductor's cache, then loaded in a fresh Python subprocess, so that an illegal
+instruction kills the child rather than the caller. On a host with AMX that is 5-10 subprocesses
+and about 1.9 s of every start (measured on the 2-core Xeon of ``benchmarks/RESULTS.md``,
+"Start-up"), the same answer every time.
+
+:func:`remember_isa_probes` keeps each successful load, keyed by the probe library's path, size
+and modification time, the CPU's instruction sets and the Python that loaded it, in a file inside
+Inductor's cache directory (a fresh cache directory probes afresh). A failed or timed-out probe is
+not kept: Inductor asks again next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "vec_isa_probes.json"
+
+_lock = threading.Lock()
+_installed = False
+
+
+def probes_file() -> Path:
+    """Where the successful probes are kept: ``<Inductor's cache dir>/kvgraph/vec_isa_probes.json``."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "kvgraph" / FILE_NAME
+
+
+def probe_key(library: str) -> str | None:
+    """The key of one probe of ``library``: its path, size and modification time, this CPU's
+    instruction sets, the Python that loads it; ``None`` if the library is not there."""
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        stat = os.stat(library)
+    except OSError:
+        return None
+    parts = (library, str(stat.st_size), str(stat.st_mtime_ns), " ".join(sorted(cpu_vec_isa.x86_isa_checker())),
+             sys.executable)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _read(path: Path) -> set[str]:
+    try:
+        return set(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _write(path: Path, keys: set[str]) -> None:
+    """Write ``keys`` atomically (another process may be writing the same file)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(sorted(keys)))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: probing each start is only slower
+        logger.info("cannot keep Inductor's ISA probes in %s: %s", path, e)
+
+
+def remembered(probe):
+    """``probe(isa, library) -> bool`` (Inductor's ``VecISA._probe_load``) answered from
+    :func:`probes_file` where ``library`` loaded before; a successful new probe is added to it."""
+
+    def remembered_probe(self, output_path: str) -> bool:
+        key = probe_key(output_path)
+        path = probes_file()
+        if key is not None and key in _read(path):
+            return True
+        ok = probe(self, output_path)
+        if ok and key is not None:
+            with _lock:
+                _write(path, _read(path) | {key})
+        return ok
+
+    return remembered_probe
+
+
+def remember_isa_probes() -> bool:
+    """Make Inductor's ISA probe skip the subprocess for a library that loaded in an earlier
+    process (see the module). Idempotent; returns whether the probe is wrapped (``False`` where
+    this PyTorch has no such probe)."""
+    global _installed
+    from torch._inductor import cpu_vec_isa
+
+    with _lock:
+        if not _installed:
+            probe = getattr(cpu_vec_isa.VecISA, "_probe_load", None)
+            if probe is None:
+                return False
+            cpu_vec_isa.VecISA._probe_load = remembered(probe)
+            _installed = True
+        return True

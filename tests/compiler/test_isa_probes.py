@@ -1,0 +1,90 @@
+"""Inductor's vector-ISA probes are remembered across processes: a library that loaded once is not
+loaded again in a subprocess; a failed probe, a changed library or a fresh cache directory probes again."""
+
+import os
+
+import pytest
+
+from kvgraph.compiler import isa_probes
+
+
+@pytest.fixture
+def probes(tmp_path, monkeypatch):
+    """A probe that records the libraries it loads and answers from ``results`` (default True), wrapped."""
+    monkeypatch.setattr(isa_probes, "probes_file", lambda: tmp_path / "cache" / isa_probes.FILE_NAME)
+    loaded, results = [], {}
+
+    def probe(isa, library):
+        loaded.append(library)
+        return results.get(library, True)
+
+    return isa_probes.remembered(probe), loaded, results
+
+
+def library(tmp_path, name="probe.so", content=b"\x7fELF"):
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+def test_a_library_that_loaded_is_not_probed_again(tmp_path, probes):
+    probe, loaded, _ = probes
+    lib = library(tmp_path)
+    assert probe(None, lib) and probe(None, lib)
+    assert loaded == [lib]
+    assert isa_probes.probes_file().exists()
+
+
+def test_a_failed_probe_is_asked_again(tmp_path, probes):
+    probe, loaded, results = probes
+    lib = library(tmp_path)
+    results[lib] = False
+    assert not probe(None, lib) and not probe(None, lib)
+    assert loaded == [lib, lib]
+
+
+def test_a_changed_library_is_probed_again(tmp_path, probes):
+    probe, loaded, _ = probes
+    lib = library(tmp_path)
+    probe(None, lib)
+    stat = os.stat(lib)
+    os.utime(lib, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    probe(None, lib)
+    assert loaded == [lib, lib]
+
+
+def test_a_fresh_cache_directory_probes_again(tmp_path, probes, monkeypatch):
+    probe, loaded, _ = probes
+    lib = library(tmp_path)
+    probe(None, lib)
+    monkeypatch.setattr(isa_probes, "probes_file", lambda: tmp_path / "fresh" / isa_probes.FILE_NAME)
+    probe(None, lib)
+    assert loaded == [lib, lib]
+
+
+def test_a_missing_library_is_probed_and_not_kept(tmp_path, probes):
+    probe, loaded, results = probes
+    missing = str(tmp_path / "gone.so")
+    assert isa_probes.probe_key(missing) is None
+    probe(None, missing)
+    probe(None, missing)
+    assert loaded == [missing, missing]
+
+
+def test_an_unreadable_probes_file_counts_as_empty(tmp_path, probes):
+    probe, loaded, _ = probes
+    isa_probes.probes_file().parent.mkdir(parents=True)
+    isa_probes.probes_file().write_text("not json")
+    lib = library(tmp_path)
+    assert probe(None, lib)
+    assert loaded == [lib]
+    assert probe(None, lib) and loaded == [lib]  # rewritten as valid JSON
+
+
+def test_the_probe_is_wrapped_once_per_process():
+    from torch._inductor import cpu_vec_isa
+
+    assert isa_probes.remember_isa_probes()
+    wrapped = cpu_vec_isa.VecISA._probe_load
+    assert isa_probes.remember_isa_probes()
+    assert cpu_vec_isa.VecISA._probe_load is wrapped
