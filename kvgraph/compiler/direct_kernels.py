@@ -35,7 +35,7 @@ def redirectable_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """``gm``'s calls that a C++ kernel of this process serves (building kvgraph's library on first
     use): ``kvgraph::ragged_attention`` where the C++ kernel is the CPU implementation, and
     ``kvgraph::linear`` where the packed C++ path runs; else none."""
-    from kvgraph.ops import attention, cpp
+    from kvgraph.ops import attention, cpp, linear  # noqa: F401  (linear defines kvgraph::linear)
 
     calls = []
     if attention.cpu_implementation() == "cpp":
