@@ -43,6 +43,7 @@ class DriverRunner(ModelRunner):
         position_ids: torch.Tensor,
         input_row_offsets: torch.Tensor,
         logit_positions: torch.Tensor | None = None,
+        threads: int | None = None,
     ) -> torch.Tensor:
         kv = kv_inputs[0]
         message = StepMessage(
@@ -54,7 +55,7 @@ class DriverRunner(ModelRunner):
         self._copies = []
         with self.tp.watch("step"):
             number = self.tp.channel.publish(message)
-            logits = super().__call__(kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions)
+            logits = super().__call__(kv_inputs, input_ids, position_ids, input_row_offsets, logit_positions, threads)
             self.tp.channel.retire(number)
         return logits
 
