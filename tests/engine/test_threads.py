@@ -97,5 +97,5 @@ def test_read_sample_counts_this_process_within_the_cores_busy_time():
     while time.process_time() < end:
         pass
     second = read_sample(cores)
-    assert second.own - first.own >= 0.29
+    assert second.own - first.own >= 0.28  # os.times counts in 10 ms ticks: up to one short, and float sums
     assert second.busy - first.busy >= second.own - first.own - 0.05  # ticks are 10 ms
