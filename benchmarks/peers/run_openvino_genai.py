@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
+from runs import kv_cache_gb, timed_run  # benchmarks/peers/runs.py, beside this script
 
 # request dtype -> (OpenVINO inference type, KV cache type, KV bytes per element); "int8": a model
 # exported with int8 weights, bf16 inference and the CPU plugin's default u8 KV cache
@@ -41,17 +41,6 @@ REPORTED_KEYS = (*PRECISION_KEYS, "INFERENCE_NUM_THREADS", "NUM_STREAMS", "PERFO
 def properties(threads: int, dtype: str) -> dict:
     infer, kv, _ = PRECISIONS[dtype]
     return {**{key: kv for key in KV_KEYS}, "INFERENCE_PRECISION_HINT": infer, "INFERENCE_NUM_THREADS": threads}
-
-
-def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> int:
-    """Whole GB of KV cache for every request at its full length, with room for page rounding."""
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * PRECISIONS[dtype][2]
-    tokens = sum(len(p) + max_new_tokens + 32 for p in prompts)  # + a page per request
-    return max(1, math.ceil(1.25 * tokens * per_token / 2**30))
 
 
 def scheduler_config(request: dict, cache_gb: int) -> ov_genai.SchedulerConfig:
@@ -105,7 +94,7 @@ def main() -> None:
     request = json.loads(args.request.read_text())
     prompts, new = request["prompts"], request["max_new_tokens"]
     dtype = request["dtype"]
-    cache_gb = kv_cache_gb(args.model_dir, prompts, new, dtype)
+    cache_gb = kv_cache_gb(args.model_dir, prompts, new, PRECISIONS[dtype][2], page_tokens=32)
     props = properties(request["threads"], dtype)
 
     start = time.perf_counter()
@@ -113,18 +102,13 @@ def main() -> None:
         args.model_dir, scheduler_config(request, cache_gb), "CPU", props
     )
     build_s = time.perf_counter() - start
-    _, warm_a = generate(pipe, [[0, 0, 0], [0, 0]], 3)
-    _, warm_b = generate(pipe, [[0, 0, 0]], 3)
-    first_s = [generate(pipe, prompts, new)[1] for _ in range(request["warm_runs"])]
-    outputs, wall_s = generate(pipe, prompts, new)
+    run = timed_run(generate, pipe, prompts, new, request["warm_runs"])
 
     print(json.dumps({
         "engine": "openvino-genai ContinuousBatchingPipeline",
         "versions": {"openvino": ov.__version__, "openvino_genai": ov_genai.__version__},
         "device": ov.Core().get_property("CPU", "FULL_DEVICE_NAME"),
-        "build_s": round(build_s, 4), "warmup_s": round(warm_a + warm_b, 4), "wall_s": round(wall_s, 4),
-        "untimed_runs_s": [round(t, 4) for t in first_s],
-        "generated_tokens": [len(o) for o in outputs], "outputs": outputs,
+        "build_s": round(build_s, 4), **run,
         "scheduler": {
             "cache_size_gb": cache_gb, "max_num_batched_tokens": request["max_num_batched_tokens"],
             "max_num_seqs": request["max_num_seqs"], "dynamic_split_fuse": True,

@@ -19,6 +19,8 @@ from kvgraph.workloads import make_workload
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "peers.py"
 PEER = ROOT / "benchmarks" / "peers" / "run_openvino_genai.py"
+VLLM_PEER = ROOT / "benchmarks" / "peers" / "run_vllm_cpu.py"
+RUNS = ROOT / "benchmarks" / "peers" / "runs.py"
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +47,34 @@ def test_peer_request_is_the_kvgraph_workload(peers, name, requests, new, expect
     assert request["dtype"] == "float32"
 
 
-def test_peer_script_reads_exactly_what_the_driver_writes(peers):
-    read = set(re.findall(r'request\["(\w+)"\]', PEER.read_text()))
+@pytest.mark.parametrize("script", [PEER, VLLM_PEER], ids=["openvino", "vllm"])
+def test_peer_script_reads_exactly_what_the_driver_writes(peers, script):
+    read = set(re.findall(r'request\["(\w+)"\]', script.read_text()))
     workload = make_workload("mixed", num_requests=2, vocab_size=VOCAB_SIZE)
     assert read == set(peers.peer_request(workload, max_batch_size=4, threads=1))
 
 
-def test_peer_script_does_not_import_kvgraph():
-    tree = ast.parse(PEER.read_text())
+@pytest.mark.parametrize(("script", "engine"), [(PEER, "openvino_genai"), (VLLM_PEER, "vllm"), (RUNS, None)],
+                         ids=["openvino", "vllm", "runs"])
+def test_peer_scripts_do_not_import_kvgraph(script, engine):
+    tree = ast.parse(script.read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(name.split(".")[0] == "kvgraph" for name in imported)
-    assert "openvino_genai" in imported
+    assert engine is None or engine in imported
+
+
+def test_the_kv_cache_asked_for_holds_every_request_at_its_full_length(tmp_path):
+    spec = importlib.util.spec_from_file_location("peer_runs", RUNS)
+    runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 8, "hidden_size": 512, "num_key_value_heads": 4, "num_hidden_layers": 8}))
+    per_token = 2 * 8 * 4 * 64 * 4  # K and V, layers, KV heads, head size, fp32
+    prompts = [[0] * 100] * 1000
+    gb = runs.kv_cache_gb(tmp_path, prompts, 28, 4, page_tokens=128)
+    assert gb * 2**30 >= 1000 * (100 + 28 + 128) * per_token  # a page per request to spare
+    assert runs.kv_cache_gb(tmp_path, [[0]], 1, 4, page_tokens=16) == 1
 
 
 def test_peer_env_leaves_kvgraph_out_and_stays_offline(peers, monkeypatch):
