@@ -20,7 +20,6 @@ gives kvgraph); the pipeline's build and the warm-up are timed apart. Prints one
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -28,7 +27,11 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
-from runs import kv_cache_gb, timed_run  # benchmarks/peers/runs.py, beside this script
+from runs import (  # benchmarks/peers/runs.py, beside this script
+    kv_cache_gb,
+    read_request,
+    timed_run,
+)
 
 # request dtype -> (OpenVINO inference type, KV cache type, KV bytes per element); "int8": a model
 # exported with int8 weights, bf16 inference and the CPU plugin's default u8 KV cache
@@ -87,19 +90,15 @@ def resolved_properties(model_dir: Path, props: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--request", type=Path, required=True)
-    args = parser.parse_args()
-    request = json.loads(args.request.read_text())
+    model_dir, request = read_request(__doc__.splitlines()[0])
     prompts, new = request["prompts"], request["max_new_tokens"]
     dtype = request["dtype"]
-    cache_gb = kv_cache_gb(args.model_dir, prompts, new, PRECISIONS[dtype][2], page_tokens=32)
+    cache_gb = kv_cache_gb(model_dir, prompts, new, PRECISIONS[dtype][2], page_tokens=32)
     props = properties(request["threads"], dtype)
 
     start = time.perf_counter()
     pipe = ov_genai.ContinuousBatchingPipeline(
-        args.model_dir, scheduler_config(request, cache_gb), "CPU", props
+        model_dir, scheduler_config(request, cache_gb), "CPU", props
     )
     build_s = time.perf_counter() - start
     run = timed_run(generate, pipe, prompts, new, request["warm_runs"])
@@ -115,7 +114,7 @@ def main() -> None:
             "enable_prefix_caching": False,
         },
         "properties_requested": props,
-        "properties_resolved": resolved_properties(args.model_dir, props),
+        "properties_resolved": resolved_properties(model_dir, props),
     }))
 
 

@@ -59,13 +59,16 @@ object on stdout, with the settings vLLM resolved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
-from runs import kv_cache_gb, timed_run  # benchmarks/peers/runs.py, beside this script
+from runs import (  # benchmarks/peers/runs.py, beside this script
+    kv_cache_gb,
+    read_request,
+    timed_run,
+)
 
 # request dtype -> (vLLM dtype, KV bytes per element)
 PRECISIONS = {"float32": ("float32", 4), "bfloat16": ("bfloat16", 2)}
@@ -139,23 +142,19 @@ def cpu_name() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--request", type=Path, required=True)
-    args = parser.parse_args()
-    request = json.loads(args.request.read_text())
+    model_dir, request = read_request(__doc__.splitlines()[0])
     prompts, new, dtype = request["prompts"], request["max_new_tokens"], request["dtype"]
     if dtype not in PRECISIONS:
         raise UnsupportedRequest(f"dtype {dtype!r}: this runner supports {', '.join(PRECISIONS)}")
     configure_env(request["threads"])
-    cache_gb = kv_cache_gb(args.model_dir, prompts, new, PRECISIONS[dtype][1], page_tokens=128)
+    cache_gb = kv_cache_gb(model_dir, prompts, new, PRECISIONS[dtype][1], page_tokens=128)
 
     import torch
     import transformers
     import vllm
 
     engine_args = {
-        "model": str(args.model_dir), "dtype": PRECISIONS[dtype][0], "kv_cache_dtype": "auto",
+        "model": str(model_dir), "dtype": PRECISIONS[dtype][0], "kv_cache_dtype": "auto",
         "enable_prefix_caching": False, "max_num_seqs": request["max_num_seqs"],
         "max_num_batched_tokens": request["max_num_batched_tokens"],
         "kv_cache_memory_bytes": cache_gb * 2**30, "seed": 0, "disable_log_stats": True,

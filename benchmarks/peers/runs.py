@@ -3,6 +3,7 @@ the KV cache size to ask for, and the warm-up and timed run every runner does th
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable
@@ -10,6 +11,15 @@ from pathlib import Path
 
 Generate = Callable[[object, list[list[int]], int], tuple[list[list[int]], float]]
 """``generate(engine, prompts, max_new_tokens) -> (outputs, seconds)``."""
+
+
+def read_request(description: str) -> tuple[Path, dict]:
+    """The runner's arguments: ``--model-dir`` and the request ``--request REQ.json`` holds."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--request", type=Path, required=True)
+    args = parser.parse_args()
+    return args.model_dir, json.loads(args.request.read_text())
 
 
 def kv_cache_gb(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, element_bytes: int,

@@ -36,6 +36,7 @@ import torch
 
 from kvgraph.errors import CacheInputError, CppKernelError
 from kvgraph.ops.checks import attention_fake
+from kvgraph.ops.linear import has_mkl, linear_fake
 from kvgraph.ops.plan import StepPlan, with_op_arguments
 from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
@@ -112,13 +113,6 @@ def build() -> None:
     except Exception as e:  # the compiler's or loader's message, whatever its type
         names = ", ".join(source.name for source in sources())
         raise CppKernelError(f"building kvgraph's C++ CPU kernels ({names}, {level}) failed: {e}") from e
-
-
-def linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    """Shape-only linear layers for the graphs that call them (``kvgraph::int8_weight_linear``, its
-    C++ routing ``kvgraph_cpu::int8_weight_linear``, ``kvgraph_cpu::packed_linear``): ``[..., N]``
-    like x for a weight ``[N, K]``."""
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _clear_stale_lock(build_dir: Path) -> None:
@@ -267,8 +261,6 @@ def int8_kernel():
 def packed_linear_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
     pack kept in C++), or ``None`` where the library cannot be built or PyTorch has no MKL."""
-    from kvgraph.ops.linear import has_mkl
-
     if not has_mkl() or _load() is not None:
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default

@@ -34,6 +34,7 @@ import logging
 import torch
 
 from kvgraph.ops import cpp
+from kvgraph.ops.linear import linear_fake
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _int8_weight_linear_default(x: torch.Tensor, weight: torch.Tensor, scales: t
     return _finish(_dequantized_product(x.reshape(-1, x.shape[-1]), weight, scales), x, weight, bias)
 
 
-torch.library.register_fake("kvgraph::int8_weight_linear", cpp.linear_fake, lib=_LIB)
+torch.library.register_fake("kvgraph::int8_weight_linear", linear_fake, lib=_LIB)
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

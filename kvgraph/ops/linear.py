@@ -116,9 +116,14 @@ def _linear_default(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(x, weight, bias)
 
 
-@torch.library.register_fake("kvgraph::linear", lib=_LIB)
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+    """Shape-only linear layers for the graphs that call them (``kvgraph::linear`` and its C++ path
+    ``kvgraph_cpu::packed_linear``, ``kvgraph::int8_weight_linear`` and its C++ routing
+    ``kvgraph_cpu::int8_weight_linear``): ``[..., N]`` like x for a weight ``[N, K]``."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+torch.library.register_fake("kvgraph::linear", linear_fake, lib=_LIB)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
