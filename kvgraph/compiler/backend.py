@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +60,16 @@ from kvgraph.compiler.direct_kernels import (
 )
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
 from kvgraph.compiler.isa_probes import remember_isa_probes
+from kvgraph.compiler.precompiled import (
+    SHAPE_CLASSES,
+    PrecompileError,
+    PrecompileStore,
+    SerializableRunner,
+    aot_compile,
+    default_directory,
+    entry_point_with_model,
+    precompile_key,
+)
 from kvgraph.compiler.runtime import (
     CacheLayout,
     check_fit,
@@ -65,7 +77,7 @@ from kvgraph.compiler.runtime import (
     intra_op_threads,
     require_binding,
 )
-from kvgraph.errors import BindingError, ConfigError, KVCacheError, LoweringError
+from kvgraph.errors import BindingError, ConfigError, KVCacheError, KVGraphError, LoweringError
 from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 
 if TYPE_CHECKING:
@@ -256,6 +268,9 @@ class KVGraphBackend:
         self.options = options or BackendOptions()
         self.runners: list[GraphRunner] = []
         self.windows = ModelWindows(self.options.windows)
+        self.serializable = False
+        """Return graphs that can be written to disk (:mod:`kvgraph.compiler.precompiled`): set
+        while :class:`CompiledModel` captures a graph ahead of time."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
@@ -269,6 +284,8 @@ class KVGraphBackend:
                 RuntimeWarning, stacklevel=2,
             )
         runner = GraphRunner(gm, self.options, self.windows)
+        if self.serializable:
+            return self._serializable(runner, example_inputs)
         binding = current_binding()
         layout = runner.fixed_layout or (binding.layout if binding is not None else None)
         if layout is not None:
@@ -277,6 +294,15 @@ class KVGraphBackend:
                 runner.lowered(layout, example_inputs)
         self.runners.append(runner)
         return runner
+
+    def _serializable(self, runner: GraphRunner, example_inputs: list) -> SerializableRunner:
+        """``runner``'s graph lowered for the manager's layout, as a callable that can be written to disk."""
+        if runner.fixed_layout is None:
+            raise PrecompileError("only a model compiled for a manager's cache layout can be precompiled")
+        lowered = runner.lowered(runner.fixed_layout, example_inputs)
+        self.runners.append(runner)
+        return SerializableRunner(lowered.fn, lowered.params, lowered.kv_placeholders, runner.graph_device,
+                                  self.windows.known)
 
 
 def kvgraph_backend(
@@ -406,13 +432,24 @@ class CompiledModel:
         manager: the manager the graphs were lowered for, or ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: KVGraphBackend, manager: KVCacheManager | None) -> None:
+    def __init__(self, model: torch.nn.Module, backend: KVGraphBackend, manager: KVCacheManager | None,
+                 precompile: PrecompileStore | None = None) -> None:
         self.model = model
         self.backend = backend
         self.manager = manager
         self.module = torch.compile(_entry_point(model), backend=backend, fullgraph=True)
         self._hf_cache = takes_use_cache(model)
         self._freezes = backend.options.freeze_weights and backend.options.inner == "inductor"
+        if precompile is not None and (self._freezes or backend.options.inner != "inductor" or manager is None):
+            raise ConfigError(
+                "precompile needs a manager, inner='inductor' and freeze_weights=False (frozen weights are "
+                f"constants inside the compiled graph); got manager={manager is not None}, "
+                f"inner={backend.options.inner!r}, freeze_weights={backend.options.freeze_weights}"
+            )
+        self.precompile = precompile
+        self.loaded_graphs = 0
+        """Graphs read from ``precompile``'s files (no trace, no compile)."""
+        self._precompiled: dict[str, Callable] = {}
 
     @property
     def windows_known(self) -> bool:
@@ -431,13 +468,71 @@ class CompiledModel:
         require_binding()
         if self._hf_cache:
             kwargs = without_hf_cache(kwargs)
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1:
-                torch._dynamo.maybe_mark_dynamic(value, 1)
+        tokens = [value for value in (*args, *kwargs.values())
+                  if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1]
+        if self.precompile is not None:
+            shape_class = SHAPE_CLASSES[1] if any(t.shape[1] == 1 for t in tokens) else SHAPE_CLASSES[0]
+            run = self._precompiled.get(shape_class) or self._first_precompiled(shape_class, args, kwargs)
+            if run is not None:
+                return run(self.model, *args, **kwargs)
+        for value in tokens:
+            torch._dynamo.maybe_mark_dynamic(value, 1)
         if not self._freezes:
             return self.module(*args, **kwargs)
         with _tracing_frozen():
             return self.module(*args, **kwargs)
+
+
+    def _first_precompiled(self, shape_class: str, args: tuple, kwargs: dict) -> Callable | None:
+        """The graph of ``shape_class`` read from its file, or captured ahead of time, compiled and
+        written; ``None`` (with a warning) when this model cannot be captured that way, and Dynamo's
+        usual path compiles it.
+
+        The first call checks the guards Dynamo wrote (tensor shapes, dtypes, plain values); later
+        calls of the same shape class do not, as under ``skip_guard_eval_unsafe``: the engine alone
+        feeds the model, always the same kinds of tensors."""
+        store = self.precompile
+        compiled = store.load(shape_class)
+        if compiled is not None:
+            if compiled.guard_check(self.model, *args, **kwargs):
+                self.loaded_graphs += 1
+                runner = compiled._artifacts.compiled_fn
+                if self.backend.windows.known is None and getattr(runner, "windows", None) is not None:
+                    self.backend.windows.known = runner.windows
+                return self._install(shape_class, compiled)
+            reason = compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(self.model, *args, **kwargs))
+            store.discard(shape_class, f"its guards refuse this call: {reason.verbose_code_parts}")
+        examples = [_marked_copy(a) for a in args], {k: _marked_copy(v) for k, v in kwargs.items()}
+        self.backend.serializable = True
+        try:
+            compiled = aot_compile(entry_point_with_model(self.model), self.backend, (self.model, *examples[0]), examples[1])
+        except KVGraphError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Dynamo's usual path compiles it (and raises what it raises)
+            warnings.warn(f"kvgraph could not precompile the {shape_class} graph of {type(self.model).__name__} "
+                          f"({type(e).__name__}: {e}); compiling it without writing it to disk", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        finally:
+            self.backend.serializable = False
+        store.save(shape_class, compiled)
+        return self._install(shape_class, compiled)
+
+    def _install(self, shape_class: str, compiled) -> Callable:
+        compiled.disable_guard_check()
+        self._precompiled[shape_class] = compiled
+        return compiled
+
+
+def _marked_copy(value: object) -> object:
+    """A copy of a ``[1, T, ...]`` tensor with its token axis marked dynamic (the example Dynamo
+    captures from); anything else as it is."""
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] > 1):
+        return value
+    with torch.inference_mode(value.is_inference()):  # the same dispatch keys, which Dynamo guards
+        copy_ = value.clone()
+    torch._dynamo.maybe_mark_dynamic(copy_, 1)
+    return copy_
 
 
 def _traced_frozen() -> bool:
@@ -490,6 +585,7 @@ def compile(
     dump: Callable[[str, torch.fx.GraphModule], None] | None = None,
     freeze_weights: bool = False,
     packed_linears: bool = True,
+    precompile: bool | str | os.PathLike = False,
 ) -> CompiledModel:
     """Compile ``model`` (unmodified) into a ragged, KV-cached model.
 
@@ -506,6 +602,10 @@ def compile(
         dump: ``dump(stage, gm)`` after capture and after each lowering pass.
         freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
         packed_linears: float32 linear layers on MKL's packed GEMM on the CPU (see ``BackendOptions``).
+        precompile: keep each graph whole on disk and load it in later processes without tracing
+            (:mod:`kvgraph.compiler.precompiled`): ``True`` in ``<Inductor's cache dir>/kvgraph/precompiled``,
+            or in the directory given. Needs ``manager``, Inductor and unfrozen weights. After a graph's
+            first call its guards are not checked again: feed it the same kinds of tensors.
 
     The model's sliding windows are read from its Hugging Face config where it states them
     (:func:`kvgraph.compiler.hf.config_windows`), else learnt from its first graph of several tokens.
@@ -513,8 +613,18 @@ def compile(
     params = manager.params if manager is not None else None
     sizes = config_windows(model)
     windows = None if sizes is None else KnownWindows(sizes=sizes, origin=WindowOrigin.CONFIG)
-    backend = KVGraphBackend(BackendOptions(
+    options = BackendOptions(
         params=params, inner=inner, prune_logits=prune_logits, dump=dump, freeze_weights=freeze_weights,
         windows=windows, packed_linears=packed_linears,
-    ))
-    return CompiledModel(model, backend, manager)
+    )
+    store = None
+    if precompile is not False:
+        if params is None:
+            raise ConfigError("precompile needs a manager: the graphs written are lowered for its cache layout")
+        directory = default_directory() if precompile is True else Path(precompile)
+        key = precompile_key(model, params, {
+            "inner": inner, "prune_logits": prune_logits, "freeze_weights": freeze_weights, "windows": windows,
+            "packed_linears": packed_linears,
+        })
+        store = PrecompileStore(directory, key)
+    return CompiledModel(model, KVGraphBackend(options), manager, store)

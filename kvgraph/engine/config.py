@@ -66,6 +66,10 @@ class EngineConfig:
             the head dimension (MAX's ``KVCacheQuantizationConfig()``; clamped to the head size,
             which it must then divide); read by the CPU kernels and the Triton kernels (CUDA; float8
             from compute capability 8.9). ``None``: the model's dtype.
+        precompile: keep each compiled graph whole on disk (Dynamo's capture, guards and Inductor's
+            code, ``kvgraph.compiler.precompiled``) and load it in a later engine of the same model and
+            settings without tracing. Applies with Inductor, unfrozen weights (:func:`resolve_freeze_weights`)
+            and one rank; elsewhere every start traces, with Inductor's own on-disk cache. On by default.
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -91,6 +95,7 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool = False
     kv_cache_dtype: torch.dtype | str | None = None
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
@@ -104,7 +109,7 @@ class EngineConfig:
             check_flags(freeze_weights=self.freeze_weights)
         check_flags(enable_prefix_caching=self.enable_prefix_caching, packed_linears=self.packed_linears,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
-                    quantize_lm_head=self.quantize_lm_head)
+                    quantize_lm_head=self.quantize_lm_head, precompile=self.precompile)
         check_dtype(self.dtype)
         check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)
         if self.quantize_lm_head and self.quantization is None:

@@ -437,12 +437,18 @@ class LLMEngine:
     def startup_note(self) -> str:
         """How the compiled graphs came to be, for a ready line: reused from Inductor's on-disk cache
         (an earlier process compiled them with the same model and settings), compiled afresh, or both."""
-        hits, misses = self.runner.cache_hits, self.runner.cache_misses
-        if hits + misses == 0:
+        hits, misses, loaded = self.runner.cache_hits, self.runner.cache_misses, self.runner.loaded_graphs
+        parts = []
+        if loaded:
+            parts.append(f"{loaded} graphs loaded whole from precompiled files, no trace")
+        if hits + misses:
+            reuse = "reused from Inductor's on-disk cache" if not misses else (
+                "compiled afresh" if not hits
+                else f"{hits} reused from Inductor's on-disk cache, {misses} compiled afresh")
+            parts.append(f"{hits + misses} graphs {reuse}")
+        if not parts:
             return f"{self.runner.warmup_graphs} graphs, none through Inductor"
-        reuse = "reused from Inductor's on-disk cache" if not misses else (
-            "compiled afresh" if not hits else f"{hits} reused from Inductor's on-disk cache, {misses} compiled afresh")
-        return f"{hits + misses} graphs {reuse}"
+        return "; ".join(parts)
 
     def warmup(self) -> float:
         """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo

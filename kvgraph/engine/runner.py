@@ -32,6 +32,8 @@ class ModelRunner:
         recompiles: graphs compiled by any later call (a guard failed; none are expected).
         cache_hits, cache_misses: compiles that Inductor's on-disk graph cache served (an earlier
             process compiled the same graph with the same settings) or did not.
+        loaded_graphs: graphs read whole from precompiled files (``kvgraph.compiler.precompiled``):
+            neither traced nor compiled.
     """
 
     def __init__(self, compiled: Callable, progress: CompileProgress | None = None) -> None:
@@ -42,6 +44,7 @@ class ModelRunner:
         self.recompiles = 0
         self.cache_hits = 0
         self.cache_misses = 0
+        self.loaded_graphs = 0
         self._shapes: list[tuple[int, int]] | None = None
         self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
         self.skip_guards = True
@@ -95,6 +98,7 @@ class ModelRunner:
         if first and self.progress is not None:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
+        loaded = getattr(self.compiled, "loaded_graphs", 0)
         hits, misses = _inductor_cache_counts()
         with show or contextlib.nullcontext(), torch.inference_mode():
             if one_token and first and not getattr(self.compiled, "windows_known", True):
@@ -108,6 +112,7 @@ class ModelRunner:
             now_hits, now_misses = _inductor_cache_counts()
             self.cache_hits += now_hits - hits
             self.cache_misses += now_misses - misses
+            self.loaded_graphs += getattr(self.compiled, "loaded_graphs", 0) - loaded
             if first:
                 self.warmup_graphs += new
             else:
@@ -180,6 +185,7 @@ def _inductor_cache_counts() -> tuple[int, int]:
 
 
 def compiled_graphs(compiled: object) -> int:
-    """Graphs Dynamo handed to the kvgraph backend of ``compiled`` (a ``kvgraph.compile`` result)."""
+    """Graphs Dynamo handed to the kvgraph backend of ``compiled`` (a ``kvgraph.compile`` result),
+    and graphs it read whole from precompiled files."""
     backend = getattr(compiled, "backend", None)
-    return len(getattr(backend, "runners", ()))
+    return len(getattr(backend, "runners", ())) + getattr(compiled, "loaded_graphs", 0)

@@ -117,8 +117,9 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
     manager = make_manager(params, config.max_batch_size, config.max_seq_len, config.kv_cache_memory_per_rank)
     shown = CompileProgress(config.compile) if config.progress else None
     frozen = resolve_freeze_weights(config, model_dtype(model), device)
+    precompile = config.precompile and config.compile == "inductor" and not frozen and strategy.world_size == 1
     compiled = backend.compile(
         model, manager=manager, inner=config.compile, packed_linears=config.packed_linears,
-        freeze_weights=frozen, dump=shown.dump if shown else None,
+        freeze_weights=frozen, dump=shown.dump if shown else None, precompile=precompile,
     )
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))

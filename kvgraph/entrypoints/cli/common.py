@@ -120,6 +120,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="between steps, run the kernels on the cores other processes leave free (from 1 "
                    "up to --threads) instead of a fixed thread count (default: on; --no-adaptive-threads "
                    "keeps the count fixed)")
+    g.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=_default("precompile"),
+                   help="keep the compiled graphs whole on disk, Dynamo's capture included, and load them "
+                   "in later starts of the same model and settings without tracing (default: on where it "
+                   "applies: Inductor, unfrozen weights, one rank; --no-precompile traces every start)")
     add_quantization_args(g)
     g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
                    help="split the model's heads and MLP over this many ranks (default %(default)s): "
