@@ -8,7 +8,9 @@ call, as in all of them), ``unfrozen`` (``freeze_weights=False``), ``inductor_li
 with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``),
 ``default`` (the default settings), ``python_linears`` (the defaults, with the graphs calling
 ``kvgraph::linear``'s Python implementation instead of ``kvgraph_cpu::packed_linear``),
-``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), and
+``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``traced``
+(the defaults without ``precompile``: each call through Dynamo's frame evaluation and guards rather
+than the precompiled graph's captured bytecode), and
 ``all_guards`` (frozen, every guard evaluated at every call: ``ModelRunner.skip_guards = False``;
 it shares the ``frozen`` engine's
 compiled graphs, so it is the same engine with the runner's flag flipped). Each engine is compiled
@@ -43,8 +45,10 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "unfrozen": {"freeze_weights": False},
     "inductor_linears": {"freeze_weights": True, "packed_linears": False},
     "default": {},
-    "python_linears": {},  # the defaults, compiled with kvgraph::linear's Python implementation in the graph
-    "with_asserts": {},  # the defaults, compiled with Inductor's size and alignment asserts
+    # The next two patch the compile: traced, so that they do not load the default's precompiled graphs.
+    "python_linears": {"precompile": False},  # kvgraph::linear's Python implementation in the graph
+    "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
+    "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
 }
 
 

@@ -1,30 +1,39 @@
-"""Start-up to first tokens: a first start (empty Inductor cache) and a second one (the cache the
-first left), for each ``--freeze`` setting (``--freeze-weights`` on, off or auto: the default,
-off for a float32 model on the CPU), each start a fresh process.
+"""Start-up to first tokens and to a ready server: a first start (empty Inductor cache) and a second
+one (what the first left on disk), for each ``--freeze`` and ``--precompile`` setting, each start a
+fresh process.
 
-    python benchmarks/startup.py --model llama-56m --freeze on,off
+    python benchmarks/startup.py --model llama-56m --freeze auto --precompile on,off
 
-Each start runs ``kvgraph generate --model M --prompt hello --max-new-tokens 4 --json`` with its
-own ``TORCHINDUCTOR_CACHE_DIR`` (fresh per setting, shared by that setting's two starts), and
-reports the wall time of the process and the engine's own warm-up seconds and Inductor cache
-hits from its JSON. The C++ attention kernel is built before the first timed start (its build is
-cached per environment and not part of a model's start). Prints JSON.
+A start of a setting is two processes, each timed from its launch:
+
+- ``kvgraph generate --model M --prompt hello --max-new-tokens 4 --json``: ``wall_s``, the whole
+  process including its exit, and the engine's own ``warmup_s``;
+- ``kvgraph serve --model M --port 0``: ``ready_s``, until it logs its ready line (the engine
+  compiled and warm, the HTTP server listening), which also says how the graphs came to be.
+
+Each setting gets its own ``TORCHINDUCTOR_CACHE_DIR`` (fresh, shared by that setting's starts; the
+precompiled files live in it too). ``first`` is a generate process on the empty cache; ``second``
+a generate process and then a serve process on what the first left. The C++ kernels
+are built before the first timed start (their build is cached per environment and not part of a
+model's start). Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
+from kvgraph.entrypoints.serve.launch import ServerProcess
 
-def start(model: str, freeze: str, cache_dir: str) -> dict:
+
+def generate(model: str, flags: list[str], env: dict) -> dict:
     cmd = [sys.executable, "-m", "kvgraph.entrypoints.cli", "generate", "--model", model, "--prompt", "hello",
-           "--max-new-tokens", "4", "--json", "--no-progress", "--freeze-weights", freeze]
-    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+           "--max-new-tokens", "4", "--json", "--no-progress", *flags]
     began = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - began
@@ -38,19 +47,46 @@ def start(model: str, freeze: str, cache_dir: str) -> dict:
     }
 
 
+def serve_ready(model: str, flags: list[str], env: dict) -> dict:
+    saved = dict(os.environ)
+    os.environ.update(env)  # ServerProcess passes this process's environment on
+    try:
+        began = time.perf_counter()
+        server = ServerProcess("--model", model, "--no-progress", *flags)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        server.wait_ready()
+        ready = time.perf_counter() - began
+        line = next(line for line in server.log if "ready: serving" in line)
+    finally:
+        server.stop()
+    return {"ready_s": round(ready, 2), "ready_line": line.strip()}
+
+
+def start(model: str, flags: list[str], cache_dir: str, serve: bool) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    return {**generate(model, flags, env), **(serve_ready(model, flags, env) if serve else {})}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-56m")
-    parser.add_argument("--freeze", default="on,off", help="comma-separated: on, off, auto")
+    parser.add_argument("--freeze", default="auto", help="comma-separated: on, off, auto")
+    parser.add_argument("--precompile", default="on,off", help="comma-separated: on, off")
     args = parser.parse_args()
     from kvgraph.ops import cpp
 
     cpp.build()  # once per environment, not part of a model's start
     results = {}
-    for setting in args.freeze.split(","):
-        with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-            results[f"freeze_{setting}"] = {"first": start(args.model, setting, cache_dir),
-                                             "second": start(args.model, setting, cache_dir)}
+    for freeze in args.freeze.split(","):
+        for precompile in args.precompile.split(","):
+            flags = ["--freeze-weights", freeze, "--precompile" if precompile == "on" else "--no-precompile"]
+            with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
+                results[f"freeze_{freeze}_precompile_{precompile}"] = {
+                    "first": start(args.model, flags, cache_dir, serve=False),
+                    "second": start(args.model, flags, cache_dir, serve=True)}
     print(json.dumps({"model": args.model, "results": results}, indent=2))
 
 

@@ -34,14 +34,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def graph_threads(monkeypatch) -> list[int]:
     """The intra-op thread count at each call of a lowered, compiled graph, in call order."""
-    from kvgraph.compiler import backend
+    from kvgraph.compiler import backend, precompiled
 
     seen: list[int] = []
-    call = backend.LoweredGraph.__call__
+    call, run = backend.LoweredGraph.__call__, precompiled.SerializableRunner.run
 
-    def spy(self, args, kv):
+    def spy_call(self, args, kv):
         seen.append(torch.get_num_threads())
         return call(self, args, kv)
 
-    monkeypatch.setattr(backend.LoweredGraph, "__call__", spy)
+    def spy_run(self, args, kv):  # a graph of a precompiled model
+        seen.append(torch.get_num_threads())
+        return run(self, args, kv)
+
+    monkeypatch.setattr(backend.LoweredGraph, "__call__", spy_call)
+    monkeypatch.setattr(precompiled.SerializableRunner, "run", spy_run)
     return seen

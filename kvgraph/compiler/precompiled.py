@@ -23,6 +23,7 @@ frozen weights can be written: frozen weights are constants inside the compiled 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -54,6 +55,9 @@ FORMAT = 1
 """Bumped when what a file holds changes."""
 SHAPE_CLASSES = ("tokens", "one-token")
 """A graph for steps of several new tokens (``T > 1``, dynamic) and one for ``T == 1``."""
+
+MAX_FILES = 64
+"""Files a directory keeps (two per model and settings, about 2.5 MB each for ``llama-56m``)."""
 
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 _source_digest: str | None = None
@@ -91,8 +95,13 @@ class SerializableRunner(SerializableCallable):
     def __call__(self, *args):
         binding = require_binding()
         check_fit(binding, self.params, self.graph_device)
-        with intra_op_threads(binding.threads), typed_kernel_errors():
-            return self.fn(*args, *binding.tensors(self.kv_placeholders))
+        with intra_op_threads(binding.threads):
+            return self.run(args, binding.tensors(self.kv_placeholders))
+
+    def run(self, args: Sequence, kv: list[torch.Tensor]):
+        """The compiled graph on its own arguments and the bound KV tensors."""
+        with typed_kernel_errors():
+            return self.fn(*args, *kv)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: SerializableRunner) -> bytes:
@@ -134,11 +143,22 @@ class PrecompileStore:
                                  "function": AOTCompiledFunction.serialize(compiled).serialized_data})
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_binary(str(path), data)
+            self.prune()
         except Exception as e:  # noqa: BLE001 - the graph still runs; the next process compiles it again
             warnings.warn(f"kvgraph could not write the compiled {shape_class} graph to {path}: "
                           f"{type(e).__name__}: {e}; the next start compiles it again", RuntimeWarning, stacklevel=3)
             return False
         return True
+
+    def prune(self) -> None:
+        """Keep the ``MAX_FILES`` most recently written files of the directory (a changed model,
+        setting or kvgraph leaves the old key's files behind)."""
+        found = []
+        for path in self.directory.glob("*.bin"):
+            with contextlib.suppress(OSError):
+                found.append((path.stat().st_mtime, path))
+        for _, path in sorted(found, reverse=True)[MAX_FILES:]:
+            path.unlink(missing_ok=True)
 
     def load(self, shape_class: str) -> Any | None:
         """The ``AOTCompiledFunction`` written for ``shape_class``; ``None`` when there is none or it

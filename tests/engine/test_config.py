@@ -23,6 +23,7 @@ def test_defaults_are_normalised():
     ({"kv_cache_memory": 0}, r"kv_cache_memory.*\b0\b"),
     ({"compile": "tvm"}, r"compile.*inductor, eager.*\'tvm\'"),
     ({"freeze_weights": 1}, r"freeze_weights.*\b1\b"),
+    ({"precompile": "yes"}, r"precompile.*'yes'"),
     ({"dtype": torch.int8}, r"dtype.*torch\.int8"),
     ({"cache_strategy": "ring"}, "'ring'"),
     ({"device": "tpu"}, "device 'tpu'"),

@@ -53,3 +53,18 @@ def test_a_strategy_for_another_number_of_ranks_is_refused(strategy):
 def test_a_config_that_is_not_one_is_refused():
     with pytest.raises(ConfigError, match=r"EngineConfig.*\bdict\b"):
         LLMEngine("llama-tiny", {"page_size": 8})
+
+
+@pytest.mark.parametrize(("fields", "applies"), [
+    ({}, True),  # float32 on the CPU: unfrozen by default
+    ({"precompile": False}, False),
+    ({"compile": "eager"}, False),
+    ({"freeze_weights": True}, False),  # frozen weights are constants inside the compiled graph
+])
+def test_precompile_applies_with_inductor_unfrozen_weights_and_one_rank(fields, applies):
+    config = EngineConfig(max_batch_size=2, max_seq_len=32, progress=False, device="cpu", **fields)
+    engine = LLMEngine("llama-tiny", config)  # compiles nothing before the first step
+    try:
+        assert (engine.compiled.precompile is not None) is applies
+    finally:
+        engine.close()

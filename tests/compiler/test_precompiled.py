@@ -1,0 +1,133 @@
+"""Compiled models kept whole on disk (``kvgraph.compile(..., precompile=dir)``): written by the first
+model, loaded by a later one without tracing, keyed by what they depend on, set aside when damaged."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kvgraph
+from kvgraph.compiler.precompiled import SHAPE_CLASSES, precompile_key
+from kvgraph.errors import ConfigError
+from tests.compiler.toy import ToyDecoder, decode, manager, params
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+OPTIONS = {"inner": "inductor", "prune_logits": True, "freeze_weights": False, "windows": None,
+           "packed_linears": True}
+
+
+def fresh_model():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ToyDecoder().eval()
+
+
+ONE = [[5, 9, 2, 7, 1]]
+"""One sequence: its prefill runs the several-token graph and its decodes the one-token graph."""
+
+
+def test_a_second_model_loads_both_graphs_without_tracing(tmp_path):
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(first, first.manager, prompts=ONE)  # prefill (T > 1), decodes (T == 1): checked against eager
+    assert first.loaded_graphs == 0
+    assert sorted(p.name.split("-", 1)[1] for p in tmp_path.glob("*.bin")) == sorted(f"{c}.bin" for c in SHAPE_CLASSES)
+    traced = counters["kvgraph"]["graphs"]
+    assert traced == 2
+
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(second, second.manager, steps=3, prompts=ONE)
+    decode(second, second.manager)  # three sequences: T == 3 in the same graph
+    assert second.loaded_graphs == 2
+    assert counters["kvgraph"]["graphs"] == traced  # Dynamo handed the backend no graph: nothing traced
+
+
+def test_the_key_follows_the_model_the_cache_layout_and_the_options():
+    model = fresh_model()
+    key = precompile_key(model, params(), OPTIONS)
+    assert precompile_key(fresh_model(), params(), OPTIONS) == key  # same structure, same settings
+    other_weights = fresh_model()
+    with torch.no_grad():
+        other_weights.head.weight.add_(1.0)  # weights are graph inputs: the same compiled graph serves them
+    assert precompile_key(other_weights, params(), OPTIONS) == key
+    assert precompile_key(model, params(page_size=8), OPTIONS) != key
+    assert precompile_key(model, params(strategy="continuous"), OPTIONS) != key
+    assert precompile_key(model, params(), {**OPTIONS, "prune_logits": False}) != key
+    assert precompile_key(model.double(), params(), OPTIONS) != key
+    wider = fresh_model()
+    wider.head = torch.nn.Linear(32, 61, bias=False)
+    assert precompile_key(wider, params(), OPTIONS) != key
+
+
+def test_a_damaged_file_is_set_aside_with_a_warning_and_written_again(tmp_path):
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(first, first.manager, prompts=ONE)
+    tokens_file = first.precompile.path(SHAPE_CLASSES[0])
+    tokens_file.write_bytes(b"not a compiled graph")
+
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    with pytest.warns(RuntimeWarning, match="set aside the precompiled tokens graph"):
+        decode(second, second.manager, prompts=ONE)
+    assert second.loaded_graphs == 1  # the one-token graph was intact
+    assert tokens_file.stat().st_size > 1000  # compiled afresh and written again
+
+    third = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(third, third.manager, prompts=ONE)
+    assert third.loaded_graphs == 2
+
+
+def test_a_graph_whose_guards_refuse_the_call_is_compiled_afresh(tmp_path):
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(first, first.manager, prompts=ONE)
+    store = first.precompile
+    # The one-token graph, in the several-token graph's place: its guards want T == 1.
+    store.path(SHAPE_CLASSES[0]).write_bytes(store.path(SHAPE_CLASSES[1]).read_bytes())
+
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    with pytest.warns(RuntimeWarning, match="its guards refuse this call"):
+        decode(second, second.manager, prompts=ONE)
+    assert second.loaded_graphs == 1
+
+
+def test_precompile_needs_a_manager_inductor_and_unfrozen_weights(tmp_path):
+    with pytest.raises(ConfigError, match="precompile needs a manager"):
+        kvgraph.compile(fresh_model(), precompile=tmp_path)
+    with pytest.raises(ConfigError, match="freeze_weights=True"):
+        kvgraph.compile(fresh_model(), manager=manager(), freeze_weights=True, precompile=tmp_path)
+    with pytest.raises(ConfigError, match="inner='eager'"):
+        kvgraph.compile(fresh_model(), manager=manager(), inner="eager", precompile=tmp_path)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from kvgraph import LLM, EngineConfig, SamplingParams
+    from kvgraph.presets import load_preset
+
+    model, tokenizer = load_preset("llama-tiny", seed=0)
+    llm = LLM(model, tokenizer=tokenizer, config=EngineConfig(progress=False, max_seq_len=64, max_batch_size=4))
+    llm.warmup()
+    out = llm.generate([[1, 2, 3, 4, 5], [7]], SamplingParams(max_new_tokens=6))
+    print(json.dumps({"tokens": [c.token_ids for c in out], "note": llm.startup_note(),
+                      "recompiles": llm.stats()["recompiles"]}))
+""")
+
+
+def test_a_second_engine_process_starts_from_the_files_of_the_first(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def start():
+        out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = start(), start()
+    assert "loaded" not in first["note"]
+    assert second["note"].startswith("2 graphs loaded whole from precompiled files")
+    assert second["tokens"] == first["tokens"]
+    assert first["recompiles"] == second["recompiles"] == 0
+    assert len(list((tmp_path / "kvgraph" / "precompiled").glob("*.bin"))) == 2
