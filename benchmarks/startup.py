@@ -52,7 +52,7 @@ def serve_ready(model: str, flags: list[str], env: dict) -> dict:
     os.environ.update(env)  # ServerProcess passes this process's environment on
     try:
         began = time.perf_counter()
-        server = ServerProcess("--model", model, "--no-progress", *flags)
+        server = ServerProcess("--model", model, *flags)
     finally:
         os.environ.clear()
         os.environ.update(saved)

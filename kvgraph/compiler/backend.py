@@ -449,6 +449,8 @@ class CompiledModel:
         self.precompile = precompile
         self.loaded_graphs = 0
         """Graphs read from ``precompile``'s files (no trace, no compile)."""
+        self.written_graphs = 0
+        """Graphs captured ahead of time, compiled and written to ``precompile``'s files."""
         self._precompiled: dict[str, Callable] = {}
 
     @property
@@ -515,7 +517,8 @@ class CompiledModel:
             return None
         finally:
             self.backend.serializable = False
-        store.save(shape_class, compiled)
+        if store.save(shape_class, compiled):
+            self.written_graphs += 1
         return self._install(shape_class, compiled)
 
     def _install(self, shape_class: str, compiled) -> Callable:

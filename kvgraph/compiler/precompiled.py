@@ -47,6 +47,7 @@ from torch._dynamo.aot_compile_types import (
 
 from kvgraph.cache.params import KVCacheParams
 from kvgraph.compiler.direct_kernels import typed_kernel_errors
+from kvgraph.compiler.isa_probes import remember_isa_probes
 from kvgraph.compiler.runtime import check_fit, intra_op_threads, require_binding
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class PrecompileStore:
         except OSError as e:
             warnings.warn(f"kvgraph could not read {path}: {e}; compiling afresh", RuntimeWarning, stacklevel=3)
             return None
+        remember_isa_probes()  # loading the compiled kernels asks Inductor for the CPU's vector ISA
         try:
             record = pickle.loads(data)
             if record["format"] != FORMAT:

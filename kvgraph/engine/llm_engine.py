@@ -441,6 +441,8 @@ class LLMEngine:
         parts = []
         if loaded:
             parts.append(f"{loaded} graphs loaded whole from precompiled files, no trace")
+        if self.runner.written_graphs:
+            parts.append(f"{self.runner.written_graphs} graphs compiled and written to precompiled files")
         if hits + misses:
             reuse = "reused from Inductor's on-disk cache" if not misses else (
                 "compiled afresh" if not hits

@@ -34,6 +34,7 @@ class ModelRunner:
             process compiled the same graph with the same settings) or did not.
         loaded_graphs: graphs read whole from precompiled files (``kvgraph.compiler.precompiled``):
             neither traced nor compiled.
+        written_graphs: graphs compiled and written to precompiled files for later starts.
     """
 
     def __init__(self, compiled: Callable, progress: CompileProgress | None = None) -> None:
@@ -45,6 +46,7 @@ class ModelRunner:
         self.cache_hits = 0
         self.cache_misses = 0
         self.loaded_graphs = 0
+        self.written_graphs = 0
         self._shapes: list[tuple[int, int]] | None = None
         self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
         self.skip_guards = True
@@ -98,7 +100,7 @@ class ModelRunner:
         if first and self.progress is not None:
             show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
-        loaded = getattr(self.compiled, "loaded_graphs", 0)
+        loaded, written = getattr(self.compiled, "loaded_graphs", 0), getattr(self.compiled, "written_graphs", 0)
         hits, misses = _inductor_cache_counts()
         with show or contextlib.nullcontext(), torch.inference_mode():
             if one_token and first and not getattr(self.compiled, "windows_known", True):
@@ -113,6 +115,7 @@ class ModelRunner:
             self.cache_hits += now_hits - hits
             self.cache_misses += now_misses - misses
             self.loaded_graphs += getattr(self.compiled, "loaded_graphs", 0) - loaded
+            self.written_graphs += getattr(self.compiled, "written_graphs", 0) - written
             if first:
                 self.warmup_graphs += new
             else:

@@ -164,16 +164,18 @@ def test_stats_report_the_documented_figures(llm):
 def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
     runner = llm.runner
     for hits, misses, loaded, note in [
-        (0, 0, 0, f"{runner.warmup_graphs} graphs, none through Inductor"),
+        (0, 0, 0, "2 graphs compiled and written to precompiled files"),
         (2, 0, 0, "2 graphs reused from Inductor's on-disk cache"),
         (0, 2, 0, "2 graphs compiled afresh"),
         (1, 1, 0, "2 graphs 1 reused from Inductor's on-disk cache, 1 compiled afresh"),
         (0, 0, 2, "2 graphs loaded whole from precompiled files, no trace"),
         (0, 1, 1, "1 graphs loaded whole from precompiled files, no trace; 1 graphs compiled afresh"),
     ]:
+        runner.written_graphs = 2 if loaded == 0 and hits + misses == 0 else 0
         runner.cache_hits, runner.cache_misses, runner.loaded_graphs = hits, misses, loaded
         assert llm.startup_note() == note
-    runner.cache_hits = runner.cache_misses = runner.loaded_graphs = 0
+    runner.cache_hits = runner.cache_misses = runner.loaded_graphs = runner.written_graphs = 0
+    assert llm.startup_note() == f"{runner.warmup_graphs} graphs, none through Inductor"
 
 
 def test_the_thread_governor_runs_on_the_cpu_by_default_with_threads_to_govern(llama, monkeypatch):

@@ -1,6 +1,6 @@
 """``EngineClient``: the HTTP front end's side of the engine process (``engine_process``), with the
 interface of ``AsyncEngine``, so tokenization, pydantic and server-sent events never take the
-engine's GIL.
+engine's GIL. The engine process is forked where that is safe (:func:`start_method`), else spawned.
 
 ``submit`` tokenizes and checks a request here (``RequestChecks``, the engine's own checks, sent
 over with the tokenizer once the engine is ready), numbers it and queues an ``add`` command; a
@@ -39,6 +39,21 @@ STATS_TIMEOUT_S = 60.0
 """How long ``/metrics`` waits for the engine's figures (it answers between steps)."""
 
 
+def start_method() -> str:
+    """How the engine process starts: ``fork`` where that is safe, so that it inherits the modules
+    this process imported (torch, transformers' tokenizer, kvgraph: about 2 s of a start); else
+    ``spawn``. Safe means one thread here (a fork copies only the calling one) and no CUDA device
+    (CUDA cannot be used again in a forked child once the parent asked for it, as
+    ``torch.cuda.is_available()`` does). No tensor work runs here before the fork, so no OpenMP
+    pool is copied either."""
+    import torch
+
+    if ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+            and not torch.cuda.is_available()):
+        return "fork"
+    return "spawn"
+
+
 class EngineClient:
     """The engine process, driven from the front end: ``submit`` and ``abort`` are for the event loop.
 
@@ -72,10 +87,13 @@ class EngineClient:
         """Start the engine process, which runs ``build()`` (picklable: it must return a compiled,
         warm ``LLM``), and wait until it is ready. Raises what ``build`` raised there (an error other
         than a ``KVGraphError`` as an ``EngineFailure``)."""
-        ctx = multiprocessing.get_context("spawn")
+        method = start_method()
+        ctx = multiprocessing.get_context(method)
         commands_out, commands_in = ctx.Pipe(duplex=False)
         events_out, events_in = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=engine_main, args=(build, commands_out, events_in), name="kvgraph-engine")
+        inherited = (commands_in, events_out) if method == "fork" else ()
+        process = ctx.Process(target=engine_main, args=(build, commands_out, events_in, inherited),
+                              name="kvgraph-engine")
         process.start()
         commands_out.close()  # the engine's ends: closed here, so that either side sees the other exit
         events_in.close()

@@ -33,8 +33,14 @@ from kvgraph.errors import EngineFailure, KVGraphError
 log = logging.getLogger("kvgraph.serve")
 
 
-def engine_main(build: Callable[[], LLM], commands: Connection, events: Connection) -> None:
-    """The engine process: ``build()`` (a compiled, warm ``LLM``), say it is ready, step until stopped."""
+def engine_main(build: Callable[[], LLM], commands: Connection, events: Connection,
+                inherited: tuple[Connection, ...] = ()) -> None:
+    """The engine process: ``build()`` (a compiled, warm ``LLM``), say it is ready, step until stopped.
+
+    ``inherited``: the front end's ends of the pipes, which a forked process holds too; closed
+    first, so that the engine sees the front end's end close when the front end exits."""
+    for connection in inherited:
+        connection.close()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
