@@ -485,6 +485,10 @@ class CompiledModel:
             return self.module(*args, **kwargs)
 
 
+    def has_precompiled(self, one_token: bool) -> bool:
+        """Whether the graph of steps of one new token (or of several) has a precompiled file to load."""
+        return self.precompile is not None and self.precompile.path(SHAPE_CLASSES[int(one_token)]).is_file()
+
     def _first_precompiled(self, shape_class: str, args: tuple, kwargs: dict) -> Callable | None:
         """The graph of ``shape_class`` read from its file, or captured ahead of time, compiled and
         written; ``None`` (with a warning) when this model cannot be captured that way, and Dynamo's

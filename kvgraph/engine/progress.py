@@ -62,7 +62,9 @@ class CompileProgress:
         _noted.set()
         reuse = "Later calls reuse the compiled graphs"
         if self.inner == "inductor":
-            reuse += "; a new process compiles again, faster from Inductor's on-disk cache"
+            reuse += ("; a new process of the same model and settings loads them from their precompiled files "
+                      "(with --no-precompile, or frozen weights, it compiles again, faster from Inductor's "
+                      "on-disk cache)")
         self._write(
             "kvgraph: the first step with several new tokens (T > 1) and the first with one (T == 1) each "
             f"compile a graph: Dynamo capture, attention lowering, {self.inner}. {reuse}.\n"
@@ -88,6 +90,14 @@ class CompileProgress:
                 spinner.join()
             end = "\r\033[K" if self.live else ""
             self._write(f"{end}kvgraph: compiled {self._label} in {time.perf_counter() - self._start:.1f}s\n")
+
+    @contextmanager
+    def loading(self, label: str) -> Iterator[None]:
+        """Show that the block loads the graph named ``label`` from its precompiled file."""
+        start = time.perf_counter()
+        self._write(f"kvgraph: loading {label} from its precompiled file\n")
+        yield
+        self._write(f"kvgraph: loaded {label} in {time.perf_counter() - start:.1f}s\n")
 
     def dump(self, stage: str, gm: torch.fx.GraphModule) -> None:
         """The backend's ``dump`` hook: ``"captured"`` before the passes, each pass's name after it."""

@@ -98,7 +98,10 @@ class ModelRunner:
         self._seen.add(one_token)
         show = None
         if first and self.progress is not None:
-            show = self.progress.compiling(f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})")
+            label = f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})"
+            precompiled = getattr(self.compiled, "has_precompiled", None)
+            loads = precompiled is not None and precompiled(one_token)
+            show = self.progress.loading(label) if loads else self.progress.compiling(label)
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
         loaded, written = getattr(self.compiled, "loaded_graphs", 0), getattr(self.compiled, "written_graphs", 0)
         hits, misses = _inductor_cache_counts()

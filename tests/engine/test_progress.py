@@ -54,3 +54,13 @@ def test_a_terminal_gets_one_line_redrawn_in_place_and_the_result():
     assert "\r\033[K" in text and f"kvgraph: compiling graph 1 of 2: {CAPTURE_STAGE}" in text
     assert text.rstrip("\n").rsplit("\r\033[K", 1)[1].startswith("kvgraph: compiled graph 1 of 2 in ")
     assert text.count("\n") == 2  # the note and the result: the stages are redrawn, not appended
+
+
+def test_a_graph_loaded_from_its_precompiled_file_says_so():
+    out = io.StringIO()
+    shown = CompileProgress("inductor", out)
+    with shown.loading("graph 1 of 2"):
+        pass
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "kvgraph: loading graph 1 of 2 from its precompiled file"
+    assert lines[1].startswith("kvgraph: loaded graph 1 of 2 in ") and len(lines) == 2
