@@ -4,8 +4,10 @@
 
 Variants (``--variants``): ``fp32`` (the preset as built), ``bf16`` (the activation dtype of the
 int8 model, unquantized: what quantization alone changes), ``int8`` (``quantization=
-"int8-weight-only"``) and ``int8+lm_head`` (``quantize_lm_head=True`` too). Every variant is its own
-``kvgraph.LLM`` of the same seeded weights, compiled with Inductor and frozen weights, and warmed up
+"int8-weight-only"``) and ``int8+lm_head`` (``quantize_lm_head=True`` too); on request, ``int8-unfrozen``
+and ``int8+lm_head-unfrozen`` (``freeze_weights=False``: weights as graph inputs, so the graphs are
+precompiled). Every variant is its own ``kvgraph.LLM`` of the same seeded weights, compiled with
+Inductor and frozen weights unless named otherwise, and warmed up
 before anything is timed (``LLM.warmup``: both graphs, ``T > 1`` and ``T == 1``, compiled; its
 seconds are reported as ``warmup_s``, not timed).
 
@@ -45,6 +47,10 @@ VARIANTS = {
     "bf16": {"dtype": torch.bfloat16},
     "int8": {"dtype": torch.bfloat16, "quantization": "int8-weight-only"},
     "int8+lm_head": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True},
+    # Unfrozen: the weights are graph inputs, so the graphs are precompiled (no Dynamo frame per step).
+    "int8-unfrozen": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "freeze_weights": False},
+    "int8+lm_head-unfrozen": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True,
+                              "freeze_weights": False},
 }
 WORKLOADS = ("decode-heavy", "mixed")
 PROMPT_TOKENS = 32
@@ -81,7 +87,7 @@ def median_row(runs: list[float], base: list[float] | None, digits: int = 2) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-56m", help="a preset (random weights, nothing downloaded)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default="fp32,bf16,int8,int8+lm_head", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=32, help="requests of each workload")
