@@ -194,6 +194,14 @@ def run(
 
 
 # -- matching --
+def _one_query_one_key(q: Node, k: Node) -> bool:
+    """Whether ``q`` and ``k`` (``[B, H, T, D]``) hold one token each, statically: a graph of one new
+    token, where Hugging Face's SDPA path passes ``is_causal=False`` and no mask (OPT, for one)."""
+    q_shape, k_shape = P.shape(q) or (), P.shape(k) or ()
+    return (len(q_shape) == 4 and len(k_shape) == 4 and isinstance(q_shape[2], int) and q_shape[2] == 1
+            and isinstance(k_shape[2], int) and k_shape[2] == 1)
+
+
 def _match(node: Node) -> _Match | None:
     if P.is_sdpa(node):
         return _match_sdpa(node)
@@ -212,10 +220,12 @@ def _match_sdpa(node: Node) -> _Match:
     if not isinstance(is_causal, bool):
         raise LoweringError(f"cannot lower attention {describe(node)}: is_causal={is_causal!r} is not a constant")
     if mask is None and not is_causal:
-        raise LoweringError(
-            f"cannot lower attention {describe(node)}: is_causal=False without an attn_mask is "
-            "bidirectional (not causal) attention"
-        )
+        if not _one_query_one_key(a["query"], a["key"]):
+            raise LoweringError(
+                f"cannot lower attention {describe(node)}: is_causal=False without an attn_mask is "
+                "bidirectional (not causal) attention"
+            )
+        is_causal = True  # one new token over itself (a graph of T == 1): bidirectional is causal
     if mask is not None and is_causal:
         raise LoweringError(f"cannot lower attention {describe(node)}: both attn_mask and is_causal=True")
     if isinstance(mask, Node):

@@ -71,6 +71,18 @@ def test_ragged_generation_equals_generate(name):
     assert llm.manager.num_claimed == 0
 
 
+@pytest.mark.parametrize("name", ["opt", "llama"])
+def test_one_sequence_alone_decodes_through_the_one_token_graph(name):
+    """Steps of one new token (``T == 1``): OPT's SDPA call then has ``is_causal=False`` and no mask,
+    which over one query and one key is causal attention."""
+    model = build(name, ARCHITECTURES)
+    ref = reference_greedy(model, PROMPTS[0], NEW_TOKENS).tokens[0]
+    llm = kvgraph.LLM(model, compile="eager", progress=False, max_batch_size=2, max_seq_len=64, page_size=4)
+    (done,) = llm.generate(PROMPTS[:1], kvgraph.SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert done.token_ids == ref
+    assert llm.manager.num_claimed == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt2", "mixtral"])  # windows, softcap, MHA+bias, MoE
 def test_precompiled_graphs_load_and_generate_like_generate(name):

@@ -260,6 +260,24 @@ def test_cross_attention_is_refused(enc_len):
         find_attention.run(gm)
 
 
+class UnmaskedCrossAttention(CrossAttention):
+    """The same, without a mask and not causal: what a one-token graph of HF's SDPA path looks like."""
+
+    def forward(self, input_ids, position_ids, enc):
+        x = self.wte(input_ids)
+        T, S = x.shape[1], enc.shape[1]
+        q = self.q(x).view(1, T, 4, 8).transpose(1, 2)
+        k, v = (t.view(1, S, 4, 8).transpose(1, 2) for t in self.kv(enc).split(32, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_one_token_cross_attention_without_a_mask_is_still_refused():
+    """One query over one key passes for causal (``T == 1``), but only over the token's own K/V."""
+    gm = capture(UnmaskedCrossAttention(), enc=torch.randn(1, 1, 32), **model_kwargs(1)).fresh()
+    with pytest.raises(LoweringError, match="cross-attention"):
+        find_attention.run(gm)
+
+
 def test_padding_mask_input_is_refused():
     cap = capture(tiny_qwen2("sdpa"), attention_mask=torch.ones(1, 6, dtype=torch.long), **hf_kwargs())
     with raises_naming(LoweringError, "graph input 'l_kwargs_attention_mask_'"):
