@@ -484,7 +484,6 @@ class CompiledModel:
         with _tracing_frozen():
             return self.module(*args, **kwargs)
 
-
     def has_precompiled(self, one_token: bool) -> bool:
         """Whether the graph of steps of one new token (or of several) has a precompiled file to load."""
         return self.precompile is not None and self.precompile.path(SHAPE_CLASSES[int(one_token)]).is_file()
@@ -625,7 +624,7 @@ def compile(
         windows=windows, packed_linears=packed_linears,
     )
     store = None
-    if precompile is not False:
+    if precompile:
         if params is None:
             raise ConfigError("precompile needs a manager: the graphs written are lowered for its cache layout")
         directory = default_directory() if precompile is True else Path(precompile)
