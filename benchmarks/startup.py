@@ -48,14 +48,8 @@ def generate(model: str, flags: list[str], env: dict) -> dict:
 
 
 def serve_ready(model: str, flags: list[str], env: dict) -> dict:
-    saved = dict(os.environ)
-    os.environ.update(env)  # ServerProcess passes this process's environment on
-    try:
-        began = time.perf_counter()
-        server = ServerProcess("--model", model, *flags)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    began = time.perf_counter()
+    server = ServerProcess("--model", model, *flags, env=env)
     try:
         server.wait_ready()
         ready = time.perf_counter() - began

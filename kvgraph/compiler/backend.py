@@ -470,8 +470,7 @@ class CompiledModel:
         require_binding()
         if self._hf_cache:
             kwargs = without_hf_cache(kwargs)
-        tokens = [value for value in (*args, *kwargs.values())
-                  if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1]
+        tokens = [value for value in (*args, *kwargs.values()) if _is_token_tensor(value)]
         if self.precompile is not None:
             shape_class = SHAPE_CLASSES[1] if any(t.shape[1] == 1 for t in tokens) else SHAPE_CLASSES[0]
             run = self._precompiled.get(shape_class) or self._first_precompiled(shape_class, args, kwargs)
@@ -530,10 +529,15 @@ class CompiledModel:
         return compiled
 
 
+def _is_token_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``[1, T, ...]`` tensor: an argument whose axis 1 is the step's tokens."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1
+
+
 def _marked_copy(value: object) -> object:
-    """A copy of a ``[1, T, ...]`` tensor with its token axis marked dynamic (the example Dynamo
-    captures from); anything else as it is."""
-    if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] > 1):
+    """A copy of a ``[1, T, ...]`` tensor with ``T > 1`` and its token axis marked dynamic (the
+    example Dynamo captures from); anything else as it is."""
+    if not (_is_token_tensor(value) and value.shape[1] > 1):
         return value
     with torch.inference_mode(value.is_inference()):  # the same dispatch keys, which Dynamo guards
         copy_ = value.clone()

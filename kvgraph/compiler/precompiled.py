@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import importlib
 import inspect
-import logging
 import os
 import pickle
 import platform
@@ -49,8 +48,6 @@ from kvgraph.cache.params import KVCacheParams
 from kvgraph.compiler.direct_kernels import typed_kernel_errors
 from kvgraph.compiler.isa_probes import remember_isa_probes
 from kvgraph.compiler.runtime import check_fit, intra_op_threads, require_binding
-
-logger = logging.getLogger(__name__)
 
 FORMAT = 1
 """Bumped when what a file holds changes."""

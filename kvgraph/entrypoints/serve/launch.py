@@ -15,17 +15,18 @@ READY = re.compile(r"ready: serving (\S+) on (http://[^\s:]+:\d+)")
 
 
 class ServerProcess:
-    """``kvgraph serve ARGS --host HOST --port 0``; ``url`` once it logged its ready line.
+    """``kvgraph serve ARGS --host HOST --port 0``, in ``env`` (default: this process's
+    environment); ``url`` once it logged its ready line.
 
     stderr is read by a thread all along (a full pipe would block the server) and kept in ``log``.
     """
 
     def __init__(self, *args: str, host: str = "127.0.0.1", startup_timeout: float = 600,
-                 stop_timeout: float = 120) -> None:
+                 stop_timeout: float = 120, env: dict[str, str] | None = None) -> None:
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvgraph.entrypoints.cli", "serve", *args, "--host", host, "--port", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ if env is None else env),
         )
         self.log: list[str] = []
         self.url: str | None = None
