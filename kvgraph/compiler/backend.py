@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import threading
 import warnings
@@ -59,7 +60,7 @@ from kvgraph.compiler.direct_kernels import (
     typed_kernel_errors,
 )
 from kvgraph.compiler.hf import config_windows, refuse_own_cache, takes_use_cache, without_hf_cache
-from kvgraph.compiler.isa_probes import remember_isa_probes
+from kvgraph.compiler.isa_probes import probe_in_background, remember_isa_probes
 from kvgraph.compiler.precompiled import (
     SHAPE_CLASSES,
     PrecompileError,
@@ -274,6 +275,8 @@ class KVGraphBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphRunner:
         counters["kvgraph"]["graphs"] += 1
+        if self.options.inner == "inductor" and getattr(_graph_device(gm), "type", "cpu") == "cpu":
+            probe_in_background()  # beside AOTAutograd's trace; kvgraph.compile starts them sooner
         if self.options.freeze_weights and self.options.inner == "inductor" and not _traced_frozen():
             warnings.warn(
                 "freeze_weights=True, but Dynamo traced this graph with torch._inductor.config.freezing "
@@ -361,6 +364,12 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:
     return None
 
 
+def _on_cpu(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s first parameter (or buffer) is on the CPU; a model with neither counts as on the CPU."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first is None or first.device.type == "cpu"
+
+
 def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManager:
     """Inductor's settings for this compile, when the inner is Inductor: ``freezing`` when
     ``options.freeze_weights``; ``cpp.dynamic_threads`` always, so that its CPU kernels take the
@@ -375,7 +384,7 @@ def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManag
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    remember_isa_probes()  # its vector-ISA probe: ~2 s a process, answered from earlier processes
+    remember_isa_probes()  # its vector-ISA probes: ~2 s a process, answered from earlier processes
     return inductor_config.patch({
         "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
         "size_asserts": False, "alignment_asserts": False,
@@ -452,6 +461,8 @@ class CompiledModel:
         self.written_graphs = 0
         """Graphs captured ahead of time, compiled and written to ``precompile``'s files."""
         self._precompiled: dict[str, Callable] = {}
+        if backend.options.inner == "inductor" and _on_cpu(model):
+            probe_in_background()  # Inductor's CPU ISA probes compile beside Dynamo's trace, not after it
 
     @property
     def windows_known(self) -> bool:

@@ -11,6 +11,14 @@ and about 1.9 s of every start (measured on the 2-core Xeon of ``benchmarks/RESU
 and modification time, the CPU's instruction sets and the Python that loaded it, in a file inside
 Inductor's cache directory (a fresh cache directory probes afresh). A failed or timed-out probe is
 not kept: Inductor asks again next time.
+
+On a fresh cache directory the probes compile each library first: on the 2-core Xeon about 8 s of
+C++ compiler time, which Inductor spends the first time it generates a CPU kernel, after Dynamo and
+AOTAutograd have traced the graph. :func:`probe_in_background` starts them on a thread when kvgraph
+knows Inductor will compile for the CPU, so the compiler runs beside the tracing instead of after it.
+The probes run exactly as Inductor runs them (its own ``valid_vec_isa_list``); if Inductor asks
+before the thread is done, it waits on the same file lock Inductor takes between processes, and
+its answer is the same.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
@@ -29,6 +38,7 @@ FILE_NAME = "vec_isa_probes.json"
 
 _lock = threading.Lock()
 _installed = False
+_background: threading.Thread | None = None
 
 
 def probes_file() -> Path:
@@ -103,3 +113,26 @@ def remember_isa_probes() -> bool:
             cpu_vec_isa.VecISA._probe_load = remembered(probe)
             _installed = True
         return True
+
+
+def probe_in_background() -> threading.Thread | None:
+    """Run Inductor's ISA probes (:func:`torch._inductor.cpu_vec_isa.valid_vec_isa_list`) on a
+    daemon thread, once per process; returns that thread, or ``None`` where this PyTorch has no
+    probe to wrap or the host is not x86 (other architectures are not probed by compiling)."""
+    global _background
+    if not remember_isa_probes() or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    with _lock:
+        if _background is None:
+            _background = threading.Thread(target=_probe_all, name="kvgraph-isa-probes", daemon=True)
+            _background.start()
+        return _background
+
+
+def _probe_all() -> None:
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception as e:  # Inductor asks again, on its own thread, and raises there if it must
+        logger.info("Inductor's ISA probes on a background thread failed: %s: %s", type(e).__name__, e)

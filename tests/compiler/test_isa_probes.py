@@ -1,7 +1,9 @@
 """Inductor's vector-ISA probes are remembered across processes: a library that loaded once is not
 loaded again in a subprocess; a failed probe, a changed library or a fresh cache directory probes again."""
 
+import logging
 import os
+import threading
 
 import pytest
 
@@ -88,3 +90,60 @@ def test_the_probe_is_wrapped_once_per_process():
     wrapped = cpu_vec_isa.VecISA._probe_load
     assert isa_probes.remember_isa_probes()
     assert cpu_vec_isa.VecISA._probe_load is wrapped
+
+
+@pytest.fixture
+def background(monkeypatch):
+    """No probe thread started yet in this process, and Inductor's ISA list replaced by a recorder."""
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.setattr(isa_probes, "_background", None)
+    monkeypatch.setattr(isa_probes.platform, "machine", lambda: "x86_64")
+    threads = []
+
+    def valid_vec_isa_list():
+        threads.append(threading.current_thread())
+        return []
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    return threads
+
+
+def test_the_probes_run_once_on_a_thread_of_their_own(background):
+    thread = isa_probes.probe_in_background()
+    assert thread is not None and thread.daemon
+    assert isa_probes.probe_in_background() is thread
+    thread.join(timeout=30)
+    assert background == [thread]
+    assert thread is not threading.main_thread()
+
+
+def test_a_failing_background_probe_does_not_raise(monkeypatch, background, caplog):
+    from torch._inductor import cpu_vec_isa
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", broken)
+    with caplog.at_level(logging.INFO, logger=isa_probes.__name__):
+        isa_probes.probe_in_background().join(timeout=30)
+    assert "no compiler" in caplog.text
+
+
+def test_other_architectures_start_no_probe_thread(monkeypatch, background):
+    monkeypatch.setattr(isa_probes.platform, "machine", lambda: "aarch64")
+    assert isa_probes.probe_in_background() is None
+    assert background == []
+
+
+@pytest.mark.parametrize("inner, started", [("inductor", True), ("eager", False)])
+def test_compiling_for_inductor_on_the_cpu_starts_the_probes(monkeypatch, inner, started):
+    import torch
+
+    import kvgraph
+    from kvgraph.compiler import backend
+
+    calls = []
+    monkeypatch.setattr(backend, "probe_in_background", lambda: calls.append(1))
+    kvgraph.compile(torch.nn.Linear(4, 4), inner=inner)
+    assert bool(calls) == started
