@@ -122,6 +122,12 @@ def probe_in_background() -> threading.Thread | None:
     global _background
     if not remember_isa_probes() or platform.machine() not in ("x86_64", "AMD64"):
         return None
+    # what the probes import, imported here first: two threads importing the same modules in
+    # opposite orders can stop each other (Python then raises in one of them)
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.cpp_builder  # noqa: F401
+    import torch.utils._filelock  # noqa: F401
+
     with _lock:
         if _background is None:
             _background = threading.Thread(target=_probe_all, name="kvgraph-isa-probes", daemon=True)
@@ -130,9 +136,9 @@ def probe_in_background() -> threading.Thread | None:
 
 
 def _probe_all() -> None:
-    from torch._inductor import cpu_vec_isa
-
     try:
+        from torch._inductor import cpu_vec_isa
+
         cpu_vec_isa.valid_vec_isa_list()
     except Exception as e:  # Inductor asks again, on its own thread, and raises there if it must
         logger.info("Inductor's ISA probes on a background thread failed: %s: %s", type(e).__name__, e)
