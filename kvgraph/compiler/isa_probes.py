@@ -122,14 +122,14 @@ def probe_in_background() -> threading.Thread | None:
     global _background
     if not remember_isa_probes() or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    # what the probes import, imported here first: two threads importing the same modules in
-    # opposite orders can stop each other (Python then raises in one of them)
-    import torch._inductor.codecache  # noqa: F401
-    import torch._inductor.cpp_builder  # noqa: F401
-    import torch.utils._filelock  # noqa: F401
-
     with _lock:
         if _background is None:
+            # what the probes import, imported here first: two threads importing the same modules
+            # in opposite orders can stop each other (Python then raises in one of them)
+            import torch._inductor.codecache  # noqa: F401
+            import torch._inductor.cpp_builder  # noqa: F401
+            import torch.utils._filelock  # noqa: F401
+
             _background = threading.Thread(target=_probe_all, name="kvgraph-isa-probes", daemon=True)
             _background.start()
         return _background

@@ -197,9 +197,8 @@ def run(
 def _one_query_one_key(q: Node, k: Node) -> bool:
     """Whether ``q`` and ``k`` (``[B, H, T, D]``) hold one token each, statically: a graph of one new
     token, where Hugging Face's SDPA path passes ``is_causal=False`` and no mask (OPT, for one)."""
-    q_shape, k_shape = P.shape(q) or (), P.shape(k) or ()
-    return (len(q_shape) == 4 and len(k_shape) == 4 and isinstance(q_shape[2], int) and q_shape[2] == 1
-            and isinstance(k_shape[2], int) and k_shape[2] == 1)
+    shapes = (P.shape(q) or (), P.shape(k) or ())
+    return all(len(shape) == 4 and isinstance(shape[2], int) and shape[2] == 1 for shape in shapes)
 
 
 def _match(node: Node) -> _Match | None:
