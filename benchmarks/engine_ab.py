@@ -7,7 +7,10 @@ Engines: ``frozen`` (``freeze_weights=True``; guards skipped after each shape cl
 call, as in all of them), ``unfrozen`` (``freeze_weights=False``), ``inductor_linears`` (frozen,
 with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::linear``),
 ``default`` (the default settings), ``python_linears`` (the defaults, with the graphs calling
-``kvgraph::linear``'s Python implementation instead of ``kvgraph_cpu::packed_linear``),
+``kvgraph::linear``'s Python implementation, which calls ``kvgraph_cpu::packed_linear``, instead of
+``kvgraph_cpu::packed_linear`` itself), ``mkl_linears`` (as ``python_linears``, with the Python
+implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM against MKL's packed
+GEMM, each behind the same Python wrapper),
 ``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``traced``
 (the defaults without ``precompile``: each call through Dynamo's frame evaluation and guards rather
 than the precompiled graph's captured bytecode), and
@@ -35,7 +38,7 @@ import torch
 from kvgraph.compiler import backend
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.llm import LLM
-from kvgraph.ops import cpp
+from kvgraph.ops import cpp, linear
 from kvgraph.presets import load_preset
 from kvgraph.workloads import make_workload
 
@@ -47,6 +50,7 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "default": {},
     # The next two patch the compile: traced, so that they do not load the default's precompiled graphs.
     "python_linears": {"precompile": False},  # kvgraph::linear's Python implementation in the graph
+    "mkl_linears": {"precompile": False},  # the same, multiplying with MKL's pack instead of kvgraph's C++ GEMM
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
 }
@@ -54,15 +58,15 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
 
 @contextlib.contextmanager
 def compiled_as(name: str):
-    """While ``name``'s engine compiles: ``python_linears`` keeps its graphs off ``kvgraph_cpu::packed_linear``,
-    ``with_asserts`` turns Inductor's size and alignment asserts back on."""
-    if name == "python_linears":
-        saved = cpp.packed_linear_kernel
+    """While ``name``'s engine compiles: ``python_linears`` and ``mkl_linears`` keep their graphs off
+    ``kvgraph_cpu::packed_linear``, ``with_asserts`` turns Inductor's size and alignment asserts back on."""
+    if name in ("python_linears", "mkl_linears"):
+        saved, cached = cpp.packed_linear_kernel, linear._cpp_linear
         cpp.packed_linear_kernel = lambda: None
         try:
             yield
         finally:
-            cpp.packed_linear_kernel = saved
+            cpp.packed_linear_kernel, linear._cpp_linear = saved, cached
     elif name == "with_asserts":
         saved = backend._inductor_config
 
@@ -79,6 +83,21 @@ def compiled_as(name: str):
             backend._inductor_config = saved
     else:
         yield
+
+
+@contextlib.contextmanager
+def running_as(name: str):
+    """While ``name``'s engine runs: ``mkl_linears``' ``kvgraph::linear`` multiplies with MKL's pack
+    (its Python path without kvgraph's C++ library), ``python_linears``' with kvgraph's C++ kernel."""
+    if name not in ("python_linears", "mkl_linears"):
+        yield
+        return
+    saved = linear._cpp_linear
+    linear._cpp_linear = None if name == "mkl_linears" else cpp.packed_linear_kernel()
+    try:
+        yield
+    finally:
+        linear._cpp_linear = saved
 
 
 def main() -> None:
@@ -100,7 +119,7 @@ def main() -> None:
             t = time.perf_counter()
             engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
                                 dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
-            with compiled_as(name):
+            with running_as(name), compiled_as(name):
                 engines[name].warmup()
             started[name] = round(time.perf_counter() - t, 1)
     report = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
@@ -110,7 +129,8 @@ def main() -> None:
                                  max_new_tokens=NEW_TOKENS.get(workload_name))
         first_runs = {}
         for name, llm in engines.items():  # warm-up: oneDNN builds a kernel per new GEMM shape on first sight
-            first_runs[name] = round(run_kvgraph(llm, workload)[0].elapsed_s, 3)
+            with running_as(name):
+                first_runs[name] = round(run_kvgraph(llm, workload)[0].elapsed_s, 3)
         times = {v: [] for v in variants}
         outputs = {}
         for repeat in range(args.repeats):
@@ -118,7 +138,8 @@ def main() -> None:
             for variant in order:
                 llm = engines["frozen" if variant == "all_guards" else variant]
                 llm.runner.skip_guards = variant != "all_guards"
-                result, _ = run_kvgraph(llm, workload)
+                with running_as(variant):
+                    result, _ = run_kvgraph(llm, workload)
                 llm.runner.skip_guards = True
                 times[variant].append(result.elapsed_s)
                 outputs[variant] = result.outputs

@@ -1,4 +1,5 @@
-"""Linear layers on the CPU: ``F.linear`` vs ``kvgraph::linear`` (MKL's packed GEMM, or oneDNN: the weight packed once).
+"""Linear layers on the CPU: ``F.linear`` vs ``kvgraph::linear`` (the weight packed once: kvgraph's
+panel GEMM with its C++ library, else MKL's packed GEMM or oneDNN) and MKL's packed GEMM itself.
 
     python benchmarks/linear.py [--vocab 32000] [--hidden 512] [--repeats 20] [--model llama-56m]
 
@@ -6,7 +7,8 @@ Rows are what a step projects: one per sequence (decode batches of 1..64) or, fo
 comparison, a prefill-sized 512. Median milliseconds of each, their ratio, and the largest
 difference between the two outputs, as JSON. With ``--model``, also every linear layer of that
 preset in module order, as a decode step runs them (each weight read from memory once a step, not
-from a warm cache): milliseconds a step and GFLOP/s at 1, 8, 32 and 64 rows, each way.
+from a warm cache; each way repeated back to back, as steps follow each other): milliseconds a
+step and GFLOP/s at 1, 8, 16, 32, 64, 128 and 512 rows, each way, the ways taking turns.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvgraph.ops import cpp
 from kvgraph.ops import linear as packed
 
 
@@ -33,9 +36,13 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+ROWS = (1, 8, 16, 32, 64, 128, 512)  # of the per-layer timing (--model)
+
+
 def model_layers(name: str, repeats: int) -> list[dict]:
     """Every linear layer of preset ``name`` in module order, ``repeats`` steps at each row count,
-    with ``F.linear`` and with ``kvgraph::linear``; the better of two alternating runs each."""
+    with ``F.linear``, with ``kvgraph::linear`` and (where PyTorch has MKL) with MKL's packed GEMM
+    packed for ``PACK_ROWS`` rows; the better of three alternating runs each."""
     from kvgraph.entrypoints.cli.floor import linear_layers
     from kvgraph.presets import load_preset
 
@@ -44,18 +51,25 @@ def model_layers(name: str, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     with torch.inference_mode():
-        for rows in (1, 8, 32, 64):
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, packed.PACK_ROWS) for w in weights] if packed.has_mkl() else []
+        for rows in ROWS:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in weights}
-            plain = [lambda w=w, x=xs[w.shape[1]]: F.linear(x, w) for w in weights]
-            ours = [lambda w=w, x=xs[w.shape[1]]: packed.linear(x, w) for w in weights]
-            step = {"f_linear": [], "packed": []}
-            for _ in range(2):
-                for key, calls in (("f_linear", plain), ("packed", ours)):
+            ways = {
+                "f_linear": [lambda w=w, x=xs[w.shape[1]]: F.linear(x, w) for w in weights],
+                "packed": [lambda w=w, x=xs[w.shape[1]]: packed.linear(x, w) for w in weights],
+            }
+            if mkl:
+                ways["mkl_packed"] = [lambda w=w, p=p, x=xs[w.shape[1]], n=rows: torch.ops.mkl._mkl_linear(x, p, w, None, n)
+                                      for w, p in zip(weights, mkl, strict=True)]
+            step = {key: [] for key in ways}
+            for _ in range(3):
+                for key, calls in ways.items():
                     step[key].append(median_ms(lambda calls=calls: [c() for c in calls], repeats))
             flop = 2 * rows * sum(w.numel() for w in weights)
             ms = {k: min(v) for k, v in step.items()}
             out.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
-                        **{f"{k}_gflops": round(flop / v / 1e6, 1) for k, v in ms.items()}})
+                        **{f"{k}_gflops": round(flop / v / 1e6, 1) for k, v in ms.items()},
+                        **({"packed_vs_mkl_packed": round(ms["mkl_packed"] / ms["packed"], 2)} if mkl else {})})
     return out
 
 
@@ -70,7 +84,10 @@ def main() -> None:
     weight = torch.randn(args.vocab, args.hidden, generator=g)
     results = []
     with torch.inference_mode():
-        kind = packed.packed_weight(weight)[0] if packed.uses_packed(weight[:1], weight) else None
+        kind = None
+        if packed.uses_packed(weight[:1], weight):
+            gemm = cpp.packed_linear_gemm()
+            kind = f"kvgraph_cpu:{gemm}" if gemm is not None else packed.packed_weight(weight)[0]
         for rows in (1, 8, 32, 64, 512):
             x = torch.randn(rows, args.hidden, generator=g)
             plain = median_ms(lambda x=x: F.linear(x, weight), args.repeats)

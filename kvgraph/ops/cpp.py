@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
+PANEL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_cpu.cpp"
+HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h",)  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "
@@ -133,8 +135,9 @@ def _clear_stale_lock(build_dir: Path) -> None:
 
 
 def sources() -> tuple[Path, ...]:
-    """The library's C++ sources: the attention kernel, the int8 linear layer, the packed float32 one."""
-    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE
+    """The library's C++ sources: the attention kernel, the int8 linear layer, the packed float32
+    one and its GEMM."""
+    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE, PANEL_GEMM_SOURCE
 
 
 def _define_schema() -> None:
@@ -150,6 +153,7 @@ def _define_schema() -> None:
         torch.library.register_fake("kvgraph_cpu::int8_weight_linear", linear_fake, lib=library)
         library.define("packed_linear" + PACKED_LINEAR_SCHEMA)
         torch.library.register_fake("kvgraph_cpu::packed_linear", linear_fake, lib=library)
+        library.define("packed_linear_gemm() -> str")
         _library = library
 
 
@@ -161,7 +165,7 @@ def extension_name(level: str, flags: list[str]) -> str:
     checkouts or two torch installs would rewrite each other's build and recompile it at every
     start. Keyed, each distinct build is compiled once and every later process only loads it."""
     key = hashlib.blake2b(digest_size=6)
-    for part in (*(source.read_bytes() for source in sources()), " ".join(flags).encode(), torch.__version__.encode(),
+    for part in (*(source.read_bytes() for source in (*sources(), *HEADERS)), " ".join(flags).encode(), torch.__version__.encode(),
                  os.path.dirname(torch.__file__).encode()):
         key.update(part)
         key.update(b"\0")
@@ -264,6 +268,15 @@ def packed_linear_kernel():
     if not has_mkl() or _load() is not None:
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
+
+
+def packed_linear_gemm() -> str | None:
+    """What ``kvgraph_cpu::packed_linear`` multiplies with in this build: ``"panels"`` (kvgraph's
+    GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX2 and AVX-512 builds), ``"mkl"`` (MKL's packed GEMM) or
+    ``"none"`` (``F.linear``); ``None`` where the op is not used (no library, or no MKL)."""
+    if packed_linear_kernel() is None:
+        return None
+    return torch.ops.kvgraph_cpu.packed_linear_gemm()
 
 
 def run(args: AttentionArgs, plan: StepPlan) -> torch.Tensor:

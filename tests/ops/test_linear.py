@@ -1,5 +1,8 @@
-"""``kvgraph::linear``: F.linear with a packed weight on the CPU (MKL's packed GEMM, else oneDNN),
-repacked when the weight changes."""
+"""``kvgraph::linear``: F.linear with a packed weight on the CPU, repacked when the weight changes.
+
+With kvgraph's C++ library the op calls ``kvgraph_cpu::packed_linear`` (``test_packed_linear_cpp.py``);
+without it, its Python path packs for MKL's packed GEMM, else oneDNN (``python_linear``), which the
+tests below run with the library hidden unless they say otherwise."""
 
 import pytest
 import torch
@@ -10,6 +13,42 @@ from kvgraph.ops import linear as L
 
 pytestmark = pytest.mark.skipif(not L._CAN_PACK, reason="needs MKL or oneDNN")
 needs_mkl = pytest.mark.skipif(not L.has_mkl(), reason="needs MKL")
+
+
+@pytest.fixture(autouse=True)
+def without_the_cpp_library(monkeypatch):
+    """The op's Python path: as where kvgraph's C++ library does not build."""
+    monkeypatch.setattr(L, "_cpp_linear", None)
+
+
+def test_with_the_cpp_library_the_op_calls_its_kernel(monkeypatch):
+    calls = []
+
+    def kernel(x, w, b, max_rows, pack_rows):
+        calls.append((max_rows, pack_rows))
+        return F.linear(x, w, b) + 1
+
+    monkeypatch.setattr(L, "_cpp_linear", kernel)
+    x, w = torch.randn(3, 16), torch.randn(11, 16)
+    with torch.inference_mode():
+        out = L.linear(x, w)
+    assert calls == [(L.MAX_PACKED_ROWS, L.PACK_ROWS)]
+    torch.testing.assert_close(out, F.linear(x, w) + 1)
+    assert not hasattr(w, L._ATTR)  # nothing packed in Python
+
+
+def test_the_cpp_kernel_is_looked_up_once(monkeypatch):
+    from kvgraph.ops import cpp
+
+    lookups = []
+    monkeypatch.setattr(L, "_cpp_linear", L._CPP_UNKNOWN)
+    monkeypatch.setattr(cpp, "packed_linear_kernel", lambda: lookups.append(1))  # returns None: the Python path
+    x, w = torch.randn(3, 16), torch.randn(11, 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert lookups == [1]
+    assert hasattr(w, L._ATTR)  # packed by the Python path
 
 
 @pytest.mark.parametrize("shape", [(1, 7, 48), (5, 48), (1, 1, 48)])

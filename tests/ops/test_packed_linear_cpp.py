@@ -1,6 +1,7 @@
 """``kvgraph_cpu::packed_linear``: ``kvgraph::linear``'s packed float32 path with the pack kept in
-C++ (what compiled CPU graphs call), equal to the op's Python path bit for bit, repacked when the
-weight changes, and ``F.linear`` wherever the packed path does not apply."""
+C++ (what compiled CPU graphs call, and what the op's Python implementation calls), kvgraph's panel
+GEMM on AVX2 and AVX-512 builds, equal to a float64 product at every row count and shape, repacked
+when the weight changes, and ``F.linear`` wherever the packed path does not apply."""
 
 import gc
 
@@ -22,6 +23,40 @@ def kernel():
 
 def call(kernel, x, w, b=None):
     return kernel(x, w, b, L.MAX_PACKED_ROWS, L.PACK_ROWS)
+
+
+def test_avx_builds_multiply_with_kvgraphs_panels(kernel):
+    expected = "panels" if cpp.capability() in ("AVX2", "AVX512") else "mkl"
+    assert cpp.packed_linear_gemm() == expected
+
+
+# outputs: one panel's columns (16 on AVX2, 32 on AVX-512), a part, one past, several panels and a
+# part; rows: the register blocks (6 rows on AVX2, 12 on AVX-512), one past, and several blocks
+@pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
+@pytest.mark.parametrize("k", [1, 7, 513])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 100])
+def test_equals_a_float64_product_at_every_shape(kernel, n, k, rows):
+    g = torch.Generator().manual_seed(1000 * n + 10 * k + rows)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(1, rows, k, generator=g)
+    with torch.inference_mode():
+        got = call(kernel, x, w, b)
+    assert got.shape == (1, rows, n) and got.dtype == torch.float32
+    want = x.double() @ w.double().t() + b.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k)
+
+
+def test_a_non_contiguous_input_is_multiplied_as_its_values(kernel):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 9, generator=g).t()  # [9, 64], strided
+    w = torch.randn(40, 64, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(call(kernel, x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_the_op_runs_this_kernel_from_python(kernel):
+    """``kvgraph::linear``'s CPU implementation is this op (so eager and compiled graphs agree)."""
+    assert L.cpp_kernel() is kernel
 
 
 @pytest.mark.parametrize("rows", [1, 2, 17, L.PACK_ROWS, L.PACK_ROWS + 1, L.MAX_PACKED_ROWS])

@@ -1,0 +1,23 @@
+// kvgraph's float32 GEMM for the row counts of decode steps (csrc/panel_gemm_cpu.cpp): the weight
+// packed once into panels of two SIMD vectors' worth of columns, each panel's next one prefetched
+// while it is multiplied. kvgraph_cpu::packed_linear (csrc/packed_linear_cpu.cpp) calls it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace kvgraph {
+namespace panel {
+
+// Whether this build has the kernel: an AVX2 or AVX-512 build (else MKL's packed GEMM serves).
+bool available();
+
+// w [N, K] float32 -> [ceil(N / cols), K, cols] (cols = two vectors of floats), zero padded.
+at::Tensor pack(const at::Tensor& w);
+
+// x [..., K] float32 @ w^T (+ bias) -> [..., N], w as pack() returned it for a weight of N rows.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias);
+
+}  // namespace panel
+}  // namespace kvgraph

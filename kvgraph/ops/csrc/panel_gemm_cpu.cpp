@@ -1,0 +1,192 @@
+// kvgraph::panel: y = x @ W^T (+ bias) in float32 for the few-to-hundreds of rows of a decode step.
+//
+// At those row counts a step's linear layers read every weight from memory once and do 2 * rows
+// FLOPs per weight, too few to hide the reads: MKL's packed GEMM leaves the cores waiting on memory
+// (benchmarks/RESULTS.md, "A GEMM for decode steps"). Here:
+//   - W is packed once into panels of kCols columns (two SIMD vectors), each panel [K, kCols]
+//     contiguous, so one panel is one sequential stream;
+//   - a thread multiplies its panels in order, each by blocks of up to kRows rows of x (a register
+//     block of 2 * kRows accumulators, x broadcast one value at a time, as MLAS's SGEMM kernels);
+//   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
+//     so the next panel's reads overlap this one's arithmetic instead of following it.
+// Sums run over k in order with fused multiply-adds: the result is F.linear's to float32 rounding.
+
+#include "panel_gemm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define KVGRAPH_PANEL_GEMM 1
+#else
+#define KVGRAPH_PANEL_GEMM 0
+#endif
+
+namespace kvgraph {
+namespace panel {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+constexpr int64_t kCols = 2 * kLanes;  // columns of a panel
+// rows of a register block: 2 * kRows accumulators, 2 panel vectors and a broadcast fit in the
+// 32 zmm (AVX-512) or 16 ymm (AVX2) registers
+constexpr int kRows = kLanes >= 16 ? 12 : 6;
+constexpr int64_t kLine = 64;  // bytes of a cache line
+constexpr int64_t kLinesPerK = kCols * static_cast<int64_t>(sizeof(float)) / kLine;  // of one panel row
+
+// The accumulators as the compiler's own vector type (GCC keeps an array of Vectorized<float>
+// objects on the stack, an array of these in registers); Vectorized<float> converts from and to it.
+#if defined(CPU_CAPABILITY_AVX512)
+using Simd = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using Simd = __m256;
+#else  // not used (available() is false); Vectorized's generic code keeps it compiling
+using Simd = Vec;
+#endif
+inline Simd simd_load(const float* p) { return Vec::loadu(p); }
+inline Simd simd_set1(float x) { return Vec(x); }
+inline Simd simd_fmadd(Simd a, Simd b, Simd c) { return at::vec::fmadd(Vec(a), Vec(b), Vec(c)); }
+
+// What a row block prefetches of the next panel: `lines` lines from `from`, `per_k` a k step.
+struct Prefetch {
+  const char* from = nullptr;
+  int64_t lines = 0;
+  int64_t per_k = 1;
+};
+
+// c[r, 0:cols] = a[r, :] . b[:, 0:cols] (+ bias) for R rows of a (row stride lda), b one panel.
+template <int R>
+__attribute__((noinline)) void block(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
+                                     int64_t cols, const float* bias, Prefetch next) {
+  Simd acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = simd_set1(0.f);
+    acc1[r] = simd_set1(0.f);
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    if (k * next.per_k < next.lines) {
+      __builtin_prefetch(next.from + k * next.per_k * kLine, 0, 2);
+      if (next.per_k > 1) __builtin_prefetch(next.from + (k * next.per_k + 1) * kLine, 0, 2);
+    }
+    const Simd b0 = simd_load(b + k * kCols), b1 = simd_load(b + k * kCols + kLanes);
+    // row r's x[k] by one pointer stepped lda at a time: kept opaque, so the compiler holds one
+    // address instead of R (which, with 2R accumulators, would spill them to the stack)
+    const float* row = a + k;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Simd x = simd_set1(*row);
+      row += lda;
+      asm("" : "+r"(row));
+      acc0[r] = simd_fmadd(x, b0, acc0[r]);
+      acc1[r] = simd_fmadd(x, b1, acc1[r]);
+    }
+  }
+  const int64_t cols0 = std::min(cols, kLanes), cols1 = cols - cols0;
+  Vec bias0(0.f), bias1(0.f);
+  if (bias != nullptr) {
+    bias0 = Vec::loadu(bias, cols0);
+    if (cols1 > 0) bias1 = Vec::loadu(bias + kLanes, cols1);
+  }
+  // unrolled like the loops above: an indexed accumulator would keep them all in memory
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    (Vec(acc0[r]) + bias0).store(out, cols0);
+    if (cols1 > 0) (Vec(acc1[r]) + bias1).store(out + kLanes, cols1);
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*, Prefetch);
+
+template <int... Rs>
+constexpr std::array<BlockFn, sizeof...(Rs)> blocks(std::integer_sequence<int, Rs...>) {
+  return {block<Rs + 1>...};
+}
+
+// kBlocks[R - 1]: the kernel of an R-row block
+constexpr auto kBlocks = blocks(std::make_integer_sequence<int, kRows>{});
+
+}  // namespace
+
+bool available() { return KVGRAPH_PANEL_GEMM; }
+
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel::pack takes a float32 matrix, got ",
+              w.scalar_type(), " of shape ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
+  at::Tensor packed = at::zeros({P, K, kCols}, w.options());
+  const at::Tensor src = w.contiguous();
+  const float* s = src.const_data_ptr<float>();
+  float* d = packed.mutable_data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t j = 0; j < std::min(kCols, N - p * kCols); ++j) {
+        const float* row = s + (p * kCols + j) * K;
+        for (int64_t k = 0; k < K; ++k) d[(p * K + k) * kCols + j] = row[k];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), M = K > 0 ? x.numel() / K : 0, P = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == kCols && P * kCols >= n && n > P * kCols - kCols,
+              "panel::linear: a pack of shape ", packed.sizes(), " is not a [", n, ", ", K, "] weight's panels of ", kCols,
+              " columns");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == n && b.scalar_type() == at::kFloat, "panel::linear: a bias of ", b.numel(), " ",
+                b.scalar_type(), " values for ", n, " outputs");
+  }
+  const float* a = xc.const_data_ptr<float>();
+  const float* w = packed.const_data_ptr<float>();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  float* c = y.mutable_data_ptr<float>();
+  // rows in as few register blocks as fit, of equal size (within one): 13 rows are 7 + 6, not
+  // 12 + 1, whose one-row block would read the whole panel again for a sixth of the arithmetic
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  const int64_t base_rows = M / row_blocks, longer = M % row_blocks;  // the first `longer` get one more
+  // each row block prefetches its share of the next panel, spread over its K steps
+  const int64_t panel_lines = K * kLinesPerK;
+  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;
+  const int64_t per_k = std::max<int64_t>(1, (share + K - 1) / K);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+      const float* panel = w + p * K * kCols;
+      const char* following = p + 1 < p1 ? reinterpret_cast<const char*>(panel + K * kCols) : nullptr;
+      for (int64_t rb = 0, r0 = 0; rb < row_blocks; ++rb) {
+        const int64_t rows = base_rows + (rb < longer ? 1 : 0);
+        Prefetch next;
+        if (following != nullptr) {
+          const int64_t first = std::min(panel_lines, rb * share);
+          next = Prefetch{following + first * kLine, std::min(share, panel_lines - first), per_k};
+        }
+        kBlocks[rows - 1](a + r0 * K, K, panel, K, c + r0 * n + n0, n, cols, bp == nullptr ? nullptr : bp + n0, next);
+        r0 += rows;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace panel
+}  // namespace kvgraph
