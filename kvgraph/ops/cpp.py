@@ -36,7 +36,7 @@ import torch
 
 from kvgraph.errors import CacheInputError, CppKernelError
 from kvgraph.ops.checks import attention_fake
-from kvgraph.ops.linear import has_mkl, linear_fake
+from kvgraph.ops.fake_linear import linear_fake
 from kvgraph.ops.plan import StepPlan, with_op_arguments
 from kvgraph.ops.schema import SCHEMA, AttentionArgs
 
@@ -264,8 +264,9 @@ def int8_kernel():
 
 def packed_linear_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
-    pack kept in C++), or ``None`` where the library cannot be built or PyTorch has no MKL."""
-    if not has_mkl() or _load() is not None:
+    pack kept in C++), or ``None`` where the library cannot be built or has no packed GEMM for this
+    CPU (neither AVX2 nor MKL: ``kvgraph::linear``'s oneDNN path serves better than ``F.linear``)."""
+    if _load() is not None or torch.ops.kvgraph_cpu.packed_linear_gemm() == "none":
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
 
@@ -273,8 +274,8 @@ def packed_linear_kernel():
 def packed_linear_gemm() -> str | None:
     """What ``kvgraph_cpu::packed_linear`` multiplies with in this build: ``"panels"`` (kvgraph's
     GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX2 and AVX-512 builds), ``"mkl"`` (MKL's packed GEMM) or
-    ``"none"`` (``F.linear``); ``None`` where the op is not used (no library, or no MKL)."""
-    if packed_linear_kernel() is None:
+    ``"none"`` (``F.linear``); ``None`` where the library cannot be built."""
+    if _load() is not None:
         return None
     return torch.ops.kvgraph_cpu.packed_linear_gemm()
 

@@ -34,7 +34,7 @@ import logging
 import torch
 
 from kvgraph.ops import cpp
-from kvgraph.ops.linear import linear_fake
+from kvgraph.ops.fake_linear import linear_fake
 
 logger = logging.getLogger(__name__)
 

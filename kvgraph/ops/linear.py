@@ -34,6 +34,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kvgraph.ops.fake_linear import linear_fake
+
 MAX_PACKED_ROWS = 512  # past this (a prefill-sized GEMM) F.linear is as fast
 PACK_ROWS = 64  # MKL packs for this many rows: the best layout for decode batches of 1..64
 PACKED_DTYPES = (torch.float32,)  # oneDNN's bf16 linear needs AVX512-BF16 or AMX
@@ -110,11 +112,11 @@ _cpp_linear: object = _CPP_UNKNOWN  # kvgraph_cpu::packed_linear, None without k
 
 def cpp_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default``, the op's float32 CPU path with the pack kept
-    in C++, or ``None`` where kvgraph's C++ library does not build (or PyTorch has no MKL). Looked
-    up once per process; the first call builds the library if nothing has yet."""
+    in C++, or ``None`` where kvgraph's C++ library does not build or has no packed GEMM for this
+    CPU. Looked up once per process; the first call builds the library if nothing has yet."""
     global _cpp_linear
     if _cpp_linear is _CPP_UNKNOWN:
-        from kvgraph.ops import cpp  # builds the library; it imports this module, so not at the top
+        from kvgraph.ops import cpp  # the library's build: on first use, not at import
 
         _cpp_linear = cpp.packed_linear_kernel()
     return _cpp_linear
@@ -145,13 +147,6 @@ def python_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @torch.library.impl(_LIB, "linear", "CompositeExplicitAutograd")
 def _linear_default(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
-
-
-def linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    """Shape-only linear layers for the graphs that call them (``kvgraph::linear`` and its C++ path
-    ``kvgraph_cpu::packed_linear``, ``kvgraph::int8_weight_linear`` and its C++ routing
-    ``kvgraph_cpu::int8_weight_linear``): ``[..., N]`` like x for a weight ``[N, K]``."""
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 torch.library.register_fake("kvgraph::linear", linear_fake, lib=_LIB)
