@@ -265,7 +265,7 @@ def int8_kernel():
 def packed_linear_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
     pack kept in C++), or ``None`` where the library cannot be built or has no packed GEMM for this
-    CPU (neither AVX2 nor MKL: ``kvgraph::linear``'s oneDNN path serves better than ``F.linear``)."""
+    CPU (neither AVX-512 nor MKL: ``kvgraph::linear``'s oneDNN path serves better than ``F.linear``)."""
     if _load() is not None or torch.ops.kvgraph_cpu.packed_linear_gemm() == "none":
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
@@ -273,7 +273,7 @@ def packed_linear_kernel():
 
 def packed_linear_gemm() -> str | None:
     """What ``kvgraph_cpu::packed_linear`` multiplies with in this build: ``"panels"`` (kvgraph's
-    GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX2 and AVX-512 builds), ``"mkl"`` (MKL's packed GEMM) or
+    GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX-512 builds), ``"mkl"`` (MKL's packed GEMM) or
     ``"none"`` (``F.linear``); ``None`` where the library cannot be built."""
     if _load() is not None:
         return None

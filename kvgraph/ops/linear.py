@@ -4,7 +4,7 @@
 ``F.linear``. On the CPU, for float32, it multiplies by a copy of ``weight`` packed once (and
 again when the weight changes in place: its version counter moves):
 
-- with kvgraph's C++ library (:mod:`kvgraph.ops.cpp`, an AVX2 or AVX-512 build): the weight packed
+- with kvgraph's C++ library (:mod:`kvgraph.ops.cpp`) built for AVX-512: the weight packed
   into panels of two vectors' worth of columns and multiplied by kvgraph's own GEMM
   (``csrc/panel_gemm_cpu.cpp``), which prefetches each panel's successor while it multiplies: a
   decode step's linear layers of ``llama-56m`` run 1.2-1.5x faster than MKL's packed GEMM at 1-32

@@ -1,6 +1,6 @@
 """``kvgraph_cpu::packed_linear``: ``kvgraph::linear``'s packed float32 path with the pack kept in
 C++ (what compiled CPU graphs call, and what the op's Python implementation calls), kvgraph's panel
-GEMM on AVX2 and AVX-512 builds, equal to a float64 product at every row count and shape, repacked
+GEMM on AVX-512 builds, equal to a float64 product at every row count and shape, repacked
 when the weight changes, and ``F.linear`` wherever the packed path does not apply."""
 
 import gc
@@ -25,13 +25,13 @@ def call(kernel, x, w, b=None):
     return kernel(x, w, b, L.MAX_PACKED_ROWS, L.PACK_ROWS)
 
 
-def test_avx_builds_multiply_with_kvgraphs_panels(kernel):
-    expected = "panels" if cpp.capability() in ("AVX2", "AVX512") else "mkl"
+def test_avx512_builds_multiply_with_kvgraphs_panels(kernel):
+    expected = "panels" if cpp.capability() == "AVX512" else "mkl"
     assert cpp.packed_linear_gemm() == expected
 
 
-# outputs: one panel's columns (16 on AVX2, 32 on AVX-512), a part, one past, several panels and a
-# part; rows: the register blocks (6 rows on AVX2, 12 on AVX-512), one past, and several blocks
+# outputs: half a panel's 32 columns, one past, a panel, one past, several panels and a part;
+# rows: within a register block of 12, a block, one past, and several blocks
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("k", [1, 7, 513])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 100])

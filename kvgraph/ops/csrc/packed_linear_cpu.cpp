@@ -1,6 +1,6 @@
 // kvgraph_cpu::packed_linear: kvgraph::linear's float32 CPU path (kvgraph/ops/linear.py says why):
 // y = x @ W^T (+ bias) with W packed once, for up to max_packed_rows rows:
-//   - on an AVX2 or AVX-512 build, into kvgraph's panels, multiplied by panel::linear
+//   - on an AVX-512 build, into kvgraph's panels, multiplied by panel::linear
 //     (csrc/panel_gemm_cpu.cpp: 1.2-1.5x MKL's packed GEMM at a decode step's 1-32 rows, as fast at
 //     64-512);
 //   - else by MKL for pack_rows rows (mkl::_mkl_reorder_linear_weight) and multiplied with

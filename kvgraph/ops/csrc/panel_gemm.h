@@ -10,10 +10,10 @@
 namespace kvgraph {
 namespace panel {
 
-// Whether this build has the kernel: an AVX2 or AVX-512 build (else MKL's packed GEMM serves).
+// Whether this build has the kernel: an AVX-512 build (else MKL's packed GEMM serves).
 bool available();
 
-// w [N, K] float32 -> [ceil(N / cols), K, cols] (cols = two vectors of floats), zero padded.
+// w [N, K] float32 -> [ceil(N / 32), K, 32], zero padded.
 at::Tensor pack(const at::Tensor& w);
 
 // x [..., K] float32 @ w^T (+ bias) -> [..., N], w as pack() returned it for a weight of N rows.

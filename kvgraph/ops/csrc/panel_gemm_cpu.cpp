@@ -25,7 +25,9 @@
 #include <array>
 #include <utility>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// AVX-512 builds only: on AVX2 (16-column panels, 6-row blocks) it measured 0.87-0.92x MKL's packed
+// GEMM from 32 rows on (benchmarks/RESULTS.md), so AVX2 builds keep MKL's.
+#if defined(CPU_CAPABILITY_AVX512)
 #define KVGRAPH_PANEL_GEMM 1
 #else
 #define KVGRAPH_PANEL_GEMM 0
@@ -38,19 +40,16 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kCols = 2 * kLanes;  // columns of a panel
-// rows of a register block: 2 * kRows accumulators, 2 panel vectors and a broadcast fit in the
-// 32 zmm (AVX-512) or 16 ymm (AVX2) registers
-constexpr int kRows = kLanes >= 16 ? 12 : 6;
+// rows of a register block: 2 * kRows accumulators, 2 panel vectors and a broadcast fit in the 32 zmm registers
+constexpr int kRows = 12;
 constexpr int64_t kLine = 64;  // bytes of a cache line
 constexpr int64_t kLinesPerK = kCols * static_cast<int64_t>(sizeof(float)) / kLine;  // of one panel row
 
 // The accumulators as the compiler's own vector type (GCC keeps an array of Vectorized<float>
 // objects on the stack, an array of these in registers); Vectorized<float> converts from and to it.
-#if defined(CPU_CAPABILITY_AVX512)
+#if KVGRAPH_PANEL_GEMM
 using Simd = __m512;
-#elif defined(CPU_CAPABILITY_AVX2)
-using Simd = __m256;
-#else  // not used (available() is false); Vectorized's generic code keeps it compiling
+#else  // not used (available() is false); Vectorized's code for the build keeps it compiling
 using Simd = Vec;
 #endif
 inline Simd simd_load(const float* p) { return Vec::loadu(p); }
