@@ -10,7 +10,7 @@ with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::l
 ``kvgraph::linear``'s Python implementation, which calls ``kvgraph_cpu::packed_linear``, instead of
 ``kvgraph_cpu::packed_linear`` itself), ``mkl_linears`` (as ``python_linears``, with the Python
 implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM against MKL's packed
-GEMM, each behind the same Python wrapper),
+GEMM, each behind the op's Python implementation; the MKL path's own per-call checks ride along),
 ``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``traced``
 (the defaults without ``precompile``: each call through Dynamo's frame evaluation and guards rather
 than the precompiled graph's captured bytecode), and
