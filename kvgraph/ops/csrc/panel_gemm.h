@@ -1,6 +1,5 @@
 // kvgraph's float32 GEMM for the row counts of decode steps (csrc/panel_gemm_cpu.cpp): the weight
-// packed once into panels of two SIMD vectors' worth of columns, each panel's next one prefetched
-// while it is multiplied. kvgraph_cpu::packed_linear (csrc/packed_linear_cpu.cpp) calls it.
+// packed once into panels of 32 columns, each panel's next one prefetched while it is multiplied. kvgraph_cpu::packed_linear (csrc/packed_linear_cpu.cpp) calls it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

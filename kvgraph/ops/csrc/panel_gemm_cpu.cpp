@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
 // AVX-512 builds only: on AVX2 (16-column panels, 6-row blocks) it measured 0.87-0.92x MKL's packed
 // GEMM from 32 rows on (benchmarks/RESULTS.md), so AVX2 builds keep MKL's.
@@ -146,15 +147,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
               " columns");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  if (M == 0) return y;
-  const at::Tensor xc = x.contiguous();
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
     TORCH_CHECK(b.numel() == n && b.scalar_type() == at::kFloat, "panel::linear: a bias of ", b.numel(), " ",
                 b.scalar_type(), " values for ", n, " outputs");
   }
+  if (K == 0) {  // no products: the bias, or zeros
+    return b.defined() ? b.expand(shape).clone() : at::zeros(shape, x.options());
+  }
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
   const float* a = xc.const_data_ptr<float>();
   const float* w = packed.const_data_ptr<float>();
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
