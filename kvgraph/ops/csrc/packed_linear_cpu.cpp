@@ -1,7 +1,7 @@
 // kvgraph_cpu::packed_linear: kvgraph::linear's float32 CPU path (kvgraph/ops/linear.py says why):
 // y = x @ W^T (+ bias) with W packed once, for up to max_packed_rows rows:
 //   - on an AVX-512 build, into kvgraph's panels, multiplied by panel::linear
-//     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.07-1.13x at 32, within
+//     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, within
 //     10% of it at 1 and at 64-512 rows);
 //   - else by MKL for pack_rows rows (mkl::_mkl_reorder_linear_weight) and multiplied with
 //     mkl::_mkl_linear, whose packed B serves any row count.

@@ -7,6 +7,8 @@
 //     contiguous, so one panel is one sequential stream;
 //   - a thread multiplies its panels in order, each by blocks of up to kRows rows of x (a register
 //     block of 2 * kRows accumulators, x broadcast one value at a time, as MLAS's SGEMM kernels);
+//   - at a decode step's rows, K is taken in chunks that every row block multiplies in turn, so
+//     the panel's chunk stays in L1 between blocks (the partial sums wait in the output);
 //   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
 //     so the next panel's reads overlap this one's arithmetic instead of following it.
 // Sums run over k in order with fused multiply-adds: the result is F.linear's to float32 rounding.
