@@ -5,10 +5,10 @@
 again when the weight changes in place: its version counter moves):
 
 - with kvgraph's C++ library (:mod:`kvgraph.ops.cpp`) built for AVX-512: the weight packed
-  into panels of two vectors' worth of columns and multiplied by kvgraph's own GEMM
-  (``csrc/panel_gemm_cpu.cpp``), which prefetches each panel's successor while it multiplies: a
-  decode step's linear layers of ``llama-56m`` run 1.2-1.5x faster than MKL's packed GEMM at 1-32
-  rows and as fast at 64-512 (``benchmarks/linear.py --model llama-56m``). The op and the graphs
+  into panels of 32 columns and multiplied by kvgraph's own GEMM (``csrc/panel_gemm_cpu.cpp``),
+  which prefetches each panel's successor while it multiplies: a decode step's linear layers of
+  ``llama-56m`` run 1.3-1.5x faster than MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, and
+  within 10% of it at 1 and at 64-512 rows (``benchmarks/linear.py --model llama-56m``). The op and the graphs
   kvgraph compiles (:mod:`kvgraph.compiler.direct_kernels`) both call
   ``kvgraph_cpu::packed_linear``, which keeps the pack in C++;
 - without that library, with MKL (PyTorch's x86 builds): MKL's packed SGEMM (``cblas_sgemm_pack`` /
@@ -124,7 +124,6 @@ def cpp_kernel():
 
 @torch.library.impl(_LIB, "linear", "CPU")
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # the hot path of every decode step's linear layers: few checks, no reshapes for MKL
     kernel = cpp_kernel()
     if kernel is not None:
         return kernel(x, weight, bias, MAX_PACKED_ROWS, PACK_ROWS)
@@ -133,6 +132,7 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def python_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The op's CPU path without kvgraph's C++ library: MKL's pack, else oneDNN's, kept on the weight."""
+    # a hot path where the library is missing: few checks, no reshapes for MKL
     n = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if n == 0 or n > MAX_PACKED_ROWS or not uses_packed(x, weight):
         return F.linear(x, weight, bias)

@@ -46,8 +46,13 @@ struct Pack {
   at::Tensor packed;                               // undefined: the packed product disagreed, use at::linear
 };
 
-// The packed product: kvgraph's panels where this build has them, else MKL's pack.
-bool uses_panels() { return panel::available(); }
+// The packed product of this build: kvgraph's panels where it has them, else MKL's pack, else
+// none (at::linear).
+enum class Gemm { kPanels, kMkl, kNone };
+
+Gemm gemm() {
+  return panel::available() ? Gemm::kPanels : at::globalContext().hasMKL() ? Gemm::kMkl : Gemm::kNone;
+}
 
 std::mutex packs_mutex;
 std::unordered_map<const c10::TensorImpl*, Pack> packs;
@@ -84,7 +89,7 @@ at::Tensor pack_of(const at::Tensor& weight, int64_t pack_rows) {
     it = it->second.owner.expired() ? packs.erase(it) : std::next(it);
   }
   const at::Tensor w = weight.detach().contiguous();
-  const bool panels = uses_panels();
+  const bool panels = gemm() == Gemm::kPanels;
   at::Tensor packed = panels ? panel::pack(w) : mkl_reorder(w, pack_rows);
   const at::Tensor x = at::sin(at::arange(kCheckRows * w.size(1), w.options())).view({kCheckRows, w.size(1)});
   const at::Tensor want = at::linear(x, w);
@@ -106,14 +111,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   const int64_t rows = k > 0 ? x.numel() / k : 0;
   if (rows == 0 || rows > max_packed_rows || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
       weight.dim() != 2 || !x.device().is_cpu() || !weight.device().is_cpu() || c10::GradMode::is_enabled() ||
-      !(uses_panels() || at::globalContext().hasMKL())) {
+      gemm() == Gemm::kNone) {
     return at::linear(x, weight, bias);
   }
   const at::Tensor packed = pack_of(weight, pack_rows);
   if (!packed.defined()) {
     return at::linear(x, weight, bias);
   }
-  if (uses_panels()) {
+  if (gemm() == Gemm::kPanels) {
     return panel::linear(x, packed, weight.size(0), bias);
   }
   return mkl_linear(x, packed, weight, bias, rows);
@@ -121,7 +126,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
 
 // Which product packed_linear multiplies with in this build: "panels", "mkl" or "none" (at::linear).
 std::string packed_linear_gemm() {
-  return uses_panels() ? "panels" : at::globalContext().hasMKL() ? "mkl" : "none";
+  switch (gemm()) {
+    case Gemm::kPanels: return "panels";
+    case Gemm::kMkl: return "mkl";
+    default: return "none";
+  }
 }
 
 }  // namespace
