@@ -70,6 +70,11 @@ class EngineConfig:
             code, ``kvgraph.compiler.precompiled``) and load it in a later engine of the same model and
             settings without tracing. Applies with Inductor, unfrozen weights (:func:`resolve_freeze_weights`)
             and one rank; elsewhere every start traces, with Inductor's own on-disk cache. On by default.
+        background_compile: where ``precompile`` applies and this model and these settings have no
+            precompiled files yet, serve at once with the lowered graph uncompiled (``compile="eager"``)
+            while a worker process compiles it with Inductor and writes the files; the engine loads
+            them at the first step after the worker is done (``kvgraph.engine.background_compile``).
+            Elsewhere it changes nothing. Off by default (``kvgraph serve`` turns it on).
 
     Raises ``ConfigError`` naming the first field out of range, in the order above with
     the sizes first.
@@ -96,6 +101,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     kv_cache_dtype: torch.dtype | str | None = None
     precompile: bool = True
+    background_compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_seq_len", "max_batch_tokens", "num_steps",
@@ -109,7 +115,8 @@ class EngineConfig:
             check_flags(freeze_weights=self.freeze_weights)
         check_flags(enable_prefix_caching=self.enable_prefix_caching, packed_linears=self.packed_linears,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
-                    quantize_lm_head=self.quantize_lm_head, precompile=self.precompile)
+                    quantize_lm_head=self.quantize_lm_head, precompile=self.precompile,
+                    background_compile=self.background_compile)
         check_dtype(self.dtype)
         check_quantization(self.quantization, self.dtype, self.tensor_parallel_size)
         if self.quantize_lm_head and self.quantization is None:

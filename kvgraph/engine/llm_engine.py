@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 from kvgraph.cache.symbols import INDEX_DTYPE
 from kvgraph.compiler.runtime import intra_op_threads
 from kvgraph.compiler.step import prepare_step
+from kvgraph.engine.background_compile import CompilingInBackground
 from kvgraph.engine.config import EngineConfig
 from kvgraph.engine.detokenize import IncrementalDetokenizer
 from kvgraph.engine.loading import check_tokenizer, eos_token_ids, load_model, vocab_size
@@ -125,8 +127,32 @@ class LLMEngine:
         self._inboxes: dict[int, _Inbox] = {}  # request id -> its generate/stream call's inbox
 
     def close(self) -> None:
-        """Release what the runner strategy started: a tensor-parallel engine stops its other ranks."""
+        """Release what the runner strategy started: a tensor-parallel engine stops its other ranks;
+        a compile worker still running is stopped."""
+        if isinstance(self.compiled, CompilingInBackground):
+            self.compiled.close()
         self.strategy.close()
+
+    @property
+    def compiling_in_background(self) -> bool:
+        """Whether a compile worker still compiles the model (``EngineConfig.background_compile``):
+        steps run the lowered graph uncompiled until the first step after it is done."""
+        return isinstance(self.compiled, CompilingInBackground) and self.compiled.compiling
+
+    @_locked
+    def wait_for_compile(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (``None``: no limit) for the compile worker, then load
+        what it wrote with throwaway requests (left out of the stats), so that the next step runs
+        compiled; whether that happened (``True`` at once without a worker). Call it while no
+        request runs (a server calls it when idle): the throwaway requests would share their steps."""
+        if not isinstance(self.compiled, CompilingInBackground) or self.compiled.worker is None:
+            return True
+        if not self.compiled.wait(timeout):
+            return False
+        kept = copy.deepcopy(self._stats)
+        self._run_each_graph()
+        self._stats = kept
+        return True
 
     # -- requests --
     @_locked
@@ -438,6 +464,9 @@ class LLMEngine:
         """How the compiled graphs came to be, for a ready line: reused from Inductor's on-disk cache
         (an earlier process compiled them with the same model and settings), compiled afresh, or both."""
         hits, misses, loaded = self.runner.cache_hits, self.runner.cache_misses, self.runner.loaded_graphs
+        if self.compiling_in_background:
+            return (f"{self.runner.warmup_graphs} graphs lowered and run uncompiled while compile worker "
+                    f"{self.compiled.worker.pid} compiles them with Inductor; loaded when it is done")
         parts = []
         if loaded:
             parts.append(f"{loaded} graphs loaded whole from precompiled files, no trace")
@@ -458,12 +487,16 @@ class LLMEngine:
         the stats, so that the first real request runs at full speed. Without it the first
         requests wait for the compile. Returns the seconds it took."""
         start = time.perf_counter()
+        self._run_each_graph()
+        self.reset_stats()
+        return time.perf_counter() - start
+
+    def _run_each_graph(self) -> None:
+        """Throwaway requests with a step of each shape class (several new tokens, then one)."""
         quick = SamplingParams(max_new_tokens=3, ignore_eos=True)
         n = min(3, self.max_seq_len)
         self.generate([[0] * n, [0] * max(1, n - 1)], quick)
         self.generate([[0] * n], quick)
-        self.reset_stats()
-        return time.perf_counter() - start
 
     # -- stats --
     @_locked

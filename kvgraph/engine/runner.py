@@ -28,7 +28,8 @@ class ModelRunner:
 
     Attributes:
         compile_s: wall time of the calls that compiled a graph (their run included).
-        warmup_graphs: graphs compiled by the first call of each shape class: the expected ones.
+        warmup_graphs: graphs compiled by the first call of each shape class: the expected ones
+            (again after a switch to graphs compiled in the background: ``compiled.generation``).
         recompiles: graphs compiled by any later call (a guard failed; none are expected).
         cache_hits, cache_misses: compiles that Inductor's on-disk graph cache served (an earlier
             process compiled the same graph with the same settings) or did not.
@@ -49,6 +50,7 @@ class ModelRunner:
         self.written_graphs = 0
         self._shapes: list[tuple[int, int]] | None = None
         self._seen: set[bool] = set()  # shape classes called so far: T == 1 or not
+        self._generation = 0  # ``compiled.generation`` at the last call, where it has one
         self.skip_guards = True
         """After a shape class's first call, evaluate only the guards that choose between its graphs."""
 
@@ -94,6 +96,10 @@ class ModelRunner:
         if self._shapes is not None:
             self._shapes.append((input_ids.shape[1], batch))
         one_token = input_ids.shape[1] == 1
+        generation = getattr(self.compiled, "generation", 0)  # a switch to graphs compiled in the background
+        if generation != self._generation:
+            self._generation = generation
+            self._seen.clear()
         first = one_token not in self._seen
         self._seen.add(one_token)
         show = None

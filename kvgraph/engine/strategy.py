@@ -18,6 +18,7 @@ from torch import nn
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
+from kvgraph.engine.background_compile import CompileWorker, CompilingInBackground
 from kvgraph.engine.config import EngineConfig, resolve_freeze_weights
 from kvgraph.engine.loading import make_manager, model_dtype, model_kv_params
 from kvgraph.engine.progress import CompileProgress
@@ -84,7 +85,8 @@ class PreparedModel:
         device: where it runs.
         params: this process's cache params.
         manager: this process's KV cache manager.
-        compiled: the ``kvgraph.compile`` result the runner calls.
+        compiled: the ``kvgraph.compile`` result the runner calls (a ``CompilingInBackground`` around
+            it while a compile worker runs).
         runner: runs one ragged batch (``ModelRunner``, or a strategy's subclass).
     """
 
@@ -92,7 +94,7 @@ class PreparedModel:
     device: torch.device
     params: KVCacheParams
     manager: KVCacheManager
-    compiled: CompiledModel
+    compiled: CompiledModel | CompilingInBackground
     runner: ModelRunner
 
 
@@ -122,4 +124,11 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
         model, manager=manager, inner=config.compile, packed_linears=config.packed_linears,
         freeze_weights=frozen, dump=shown.dump if shown else None, precompile=precompile,
     )
+    if precompile and config.background_compile and not (compiled.has_precompiled(False)
+                                                          and compiled.has_precompiled(True)):
+        eager = backend.compile(
+            model, manager=manager, inner="eager", packed_linears=config.packed_linears,
+            freeze_weights=False, dump=shown.dump if shown else None,
+        )
+        compiled = CompilingInBackground(eager, compiled, CompileWorker(model, config))
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))

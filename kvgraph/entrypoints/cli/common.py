@@ -124,6 +124,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the compiled graphs whole on disk, Dynamo's capture included, and load them "
                    "in later starts of the same model and settings without tracing (default: on where it "
                    "applies: Inductor, unfrozen weights, one rank; --no-precompile traces every start)")
+    g.add_argument("--background-compile", action=argparse.BooleanOptionalAction,
+                   default=_default("background_compile"),
+                   help="on a first start (no precompiled files yet), run the lowered graph uncompiled "
+                   "at once while a worker process compiles it with Inductor, and switch to the compiled "
+                   "graphs when it is done (default: on for serve, off elsewhere)")
     add_quantization_args(g)
     g.add_argument("--tensor-parallel-size", type=positive_int, default=_default("tensor_parallel_size"),
                    help="split the model's heads and MLP over this many ranks (default %(default)s): "

@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
                    help="run the engine in a thread of the HTTP server's process (default: the engine "
                    "runs in its own process, so the HTTP layer never takes its GIL)")
     add_engine_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, background_compile=True)  # a server answers at once on a first start
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,9 @@ from kvgraph.errors import EngineFailure, KVGraphError
 
 log = logging.getLogger("kvgraph.serve")
 
+COMPILE_POLL_S = 1.0
+"""How often an idle engine looks whether its compile worker is done (``--background-compile``)."""
+
 
 def engine_main(build: Callable[[], LLM], commands: Connection, events: Connection,
                 inherited: tuple[Connection, ...] = ()) -> None:
@@ -69,7 +72,7 @@ class EngineLoop:
         try:
             while not self._stopping:
                 if not self.llm.has_unfinished():
-                    self._take(self.commands.recv())  # idle: wait for a command
+                    self._idle()
                 while not self._stopping and self.commands.poll():
                     self._take(self.commands.recv())
                 if not self._stopping and self.llm.has_unfinished():
@@ -78,6 +81,16 @@ class EngineLoop:
             log.warning("the server's front end went away; the engine process stops")
         for request_id in list(self._engine_ids):
             self._forget(request_id)
+
+    def _idle(self) -> None:
+        """Wait for a command; while a compile worker runs, look every ``COMPILE_POLL_S`` seconds
+        whether it is done, and if so load the compiled graphs now rather than in a request's step."""
+        while self.llm.compiling_in_background:
+            if self.commands.poll(COMPILE_POLL_S):
+                break
+        else:
+            self.llm.wait_for_compile(timeout=0)  # a worker done: its graphs load now (at once without one)
+        self._take(self.commands.recv())
 
     def _take(self, commands: list[tuple]) -> None:
         for command in commands:

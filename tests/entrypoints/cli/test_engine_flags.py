@@ -24,7 +24,15 @@ def test_every_config_field_is_a_flag_or_named_as_not_one(command):
 
 @pytest.mark.parametrize("command", ENGINE_COMMANDS)
 def test_no_flags_mean_the_config_defaults(command):
-    assert engine_config(build_parser().parse_args([command]), progress=True) == EngineConfig()
+    """Each default is ``kvgraph.LLM``'s, but a server compiles in the background on a first start."""
+    expected = EngineConfig(background_compile=command == "serve")
+    assert engine_config(build_parser().parse_args([command]), progress=True) == expected
+
+
+def test_background_compile_flags():
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", "--no-background-compile"]), progress=True).background_compile is False
+    assert engine_config(parse(["generate", "--background-compile"]), progress=True).background_compile is True
 
 
 def test_each_flag_sets_its_field():
@@ -32,13 +40,14 @@ def test_each_flag_sets_its_field():
         "generate", "--cache", "continuous", "--page-size", "8", "--max-batch-size", "3", "--max-seq-len", "96",
         "--max-batch-tokens", "40", "--kv-cache-memory", "4096", "--no-prefix-caching", "--num-steps", "2",
         "--compile", "eager", "--no-freeze-weights", "--device", "cpu", "--dtype", "bfloat16",
-        "--tensor-parallel-size", "2", "--trust-remote-code", "--no-adaptive-threads",
+        "--tensor-parallel-size", "2", "--trust-remote-code", "--no-adaptive-threads", "--no-precompile",
+        "--background-compile",
     ])
     assert engine_config(args, progress=False) == EngineConfig(
         cache_strategy="continuous", page_size=8, max_batch_size=3, max_seq_len=96, max_batch_tokens=40,
         kv_cache_memory=4096, enable_prefix_caching=False, num_steps=2, compile="eager", freeze_weights=False,
         device="cpu", dtype=torch.bfloat16, progress=False, tensor_parallel_size=2, trust_remote_code=True,
-        adaptive_threads=False,
+        adaptive_threads=False, precompile=False, background_compile=True,
     )
 
 

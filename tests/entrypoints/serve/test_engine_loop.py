@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -122,3 +123,32 @@ def test_the_loop_ends_and_frees_every_request_when_the_front_end_goes_away(llm)
     m = llm.manager
     assert m.free_pages == m.total_pages and m.num_claimed == 0
     assert not llm.has_unfinished()
+
+
+def test_an_idle_engine_loads_its_compile_workers_graphs_before_any_request(tmp_path, monkeypatch):
+    """``--background-compile``: the loop, idle, sees the worker finish and loads its graphs then,
+    leaving the stats alone; the first request after runs compiled, with the same tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, tokenizer = load_preset("llama-tiny")
+    llm = LLM(model, tokenizer=tokenizer, page_size=4, max_batch_size=32, max_seq_len=64, progress=False,
+              background_compile=True)
+    try:
+        llm.warmup()
+        assert llm.compiling_in_background
+        loop = Loop(llm)
+        llm.compiled.wait(600)
+        deadline = time.monotonic() + 60
+        while llm.runner.loaded_graphs < 2:
+            assert time.monotonic() < deadline, "the idle loop did not load the worker's graphs"
+            time.sleep(0.1)
+        assert llm.stats()["steps"] == 0  # the throwaway requests that loaded them are not counted
+        loop.send(("add", 1, [5, 6, 7], SHORT))
+        tokens = []
+        while len(tokens) < 3:
+            kind, records = loop.recv()
+            tokens += [r[1] for r in records]
+        loop.stop()
+        assert tokens == _hf_greedy(model, [5, 6, 7], 3)
+        assert llm.stats()["recompiles"] == 0
+    finally:
+        llm.close()

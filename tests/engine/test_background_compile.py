@@ -1,0 +1,104 @@
+"""``background_compile``: the engine serves the uncompiled lowering at once while a worker process
+compiles with Inductor and writes the precompiled files, then loads them; a later engine loads
+them at start; a failed worker leaves the engine compiling in its own process."""
+
+import pytest
+import torch
+
+from kvgraph import LLM, SamplingParams
+from kvgraph.compiler.backend import CompiledModel
+from kvgraph.engine import background_compile
+from kvgraph.engine.background_compile import CompilingInBackground, structure_only
+from kvgraph.engine.compile_worker import materialize
+
+SETTINGS = {"max_seq_len": 64, "max_batch_size": 4, "progress": False}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty Inductor cache (and precompiled files' directory) for this process and its workers."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_structure_only_keeps_buffers_and_ties_and_leaves_the_model_alone(llama):
+    model, _ = llama
+    copy_ = structure_only(model)
+    assert all(p.is_meta for p in copy_.parameters())
+    assert not any(p.is_meta for p in model.parameters())
+    for (name, mine), (_, theirs) in zip(copy_.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(mine, theirs), name
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert (copy_.get_input_embeddings().weight is copy_.get_output_embeddings().weight) == tied
+    materialize(copy_, torch.device("cpu"))
+    assert all(not p.is_meta and not p.any() for p in copy_.parameters())
+    assert (copy_.get_input_embeddings().weight is copy_.get_output_embeddings().weight) == tied
+    assert [(n, p.shape) for n, p in copy_.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
+
+
+def test_serves_uncompiled_then_loads_what_the_worker_wrote(llama, fresh_cache):
+    model, tokenizer = llama
+    reference = tokens(LLM(model, tokenizer=tokenizer, compile="eager", **SETTINGS))
+    llm = LLM(model, tokenizer=tokenizer, background_compile=True, **SETTINGS)
+    try:
+        assert isinstance(llm.compiled, CompilingInBackground)
+        worker = llm.compiled.worker
+        llm.warmup()
+        assert llm.compiling_in_background  # the worker imports torch alone for longer than the warm-up takes
+        assert f"compile worker {worker.pid} compiles them" in llm.startup_note()
+        assert tokens(llm) == reference
+        assert llm.wait_for_compile(timeout=600)
+        assert not llm.compiling_in_background
+        assert worker.process.poll() == 0 and not worker.log_path.exists()
+        assert llm.startup_note().startswith("2 graphs loaded whole from precompiled files")
+        assert tokens(llm) == reference
+        assert llm.stats()["recompiles"] == 0
+    finally:
+        llm.close()
+    assert len(list((fresh_cache / "kvgraph" / "precompiled").glob("*.bin"))) == 2
+
+    again = LLM(model, tokenizer=tokenizer, background_compile=True, **SETTINGS)
+    assert isinstance(again.compiled, CompiledModel)  # the files are there: no worker
+    again.warmup()
+    assert again.startup_note().startswith("2 graphs loaded whole from precompiled files")
+    assert tokens(again) == reference
+
+
+def test_close_stops_a_running_worker(llama, fresh_cache):
+    model, tokenizer = llama
+    llm = LLM(model, tokenizer=tokenizer, background_compile=True, **SETTINGS)
+    worker = llm.compiled.worker
+    llm.close()
+    assert worker.process.poll() is not None
+    assert not worker.log_path.exists()
+    assert not list((fresh_cache / "kvgraph" / "precompiled").glob("*.bin"))
+
+
+def test_a_failed_worker_is_reported_and_the_engine_compiles_here(llama, fresh_cache, monkeypatch):
+    model, tokenizer = llama
+    monkeypatch.setattr(background_compile, "WORKER_MODULE", "kvgraph.engine.no_such_worker")
+    llm = LLM(model, tokenizer=tokenizer, background_compile=True, **SETTINGS)
+    try:
+        first = tokens(llm)
+        assert llm.compiled.wait(timeout=120)
+        with pytest.warns(RuntimeWarning, match=r"(?s)exited with status 1 .*No module named"):
+            assert tokens(llm) == first
+        llm.warmup()  # both shape classes
+        assert llm.startup_note() == "2 graphs compiled and written to precompiled files"
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("settings", [{"compile": "eager"}, {"freeze_weights": True}, {"precompile": False}])
+def test_no_worker_where_precompiled_files_do_not_apply(llama, fresh_cache, settings):
+    model, tokenizer = llama
+    llm = LLM(model, tokenizer=tokenizer, background_compile=True, **SETTINGS, **settings)
+    assert not isinstance(llm.compiled, CompilingInBackground)
+    assert not llm.compiling_in_background
+    assert llm.wait_for_compile(timeout=0)
