@@ -50,7 +50,7 @@ HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h",)  # part of the buil
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "
-                      "int matvec_rows, Tensor? act_scales=None) -> Tensor")
+                      "int matvec_rows, int vnni_rows, Tensor? act_scales=None) -> Tensor")
 STALE_LOCK_SECONDS = 600  # a build here takes 1-3 minutes: a lock this old was left by a killed build
 ENV = "KVGRAPH_CPU_ATTENTION"
 CHOICES = ("auto", "cpp", "sdpa", "reference")
@@ -149,6 +149,7 @@ def _define_schema() -> None:
         library.define("ragged_attention" + SCHEMA)
         torch.library.register_fake("kvgraph_cpu::ragged_attention", attention_fake, lib=library)
         library.define("int8_linear_bf16" + INT8_SCHEMA)
+        library.define("int8_matvec" + INT8_SCHEMA)
         library.define("int8_weight_linear" + INT8_ROUTED_SCHEMA)
         torch.library.register_fake("kvgraph_cpu::int8_weight_linear", linear_fake, lib=library)
         library.define("packed_linear" + PACKED_LINEAR_SCHEMA)

@@ -7,7 +7,11 @@ That kernel reads one byte per weight but multiplies a row at a time: on an AVX-
 is 3-10x faster than dequantizing the weight at 1 row, 1.3x slower at 32 rows, 2.2x at 64 and
 ~10x at 2048 (``benchmarks/int8_linear.py``). So the op routes by the row count of the call:
 
-- up to :data:`FUSED_MIN_ROWS` - 1 rows (batch-1 decode, bound by weight reads): ATen's kernel;
+- one row (batch-1 decode, bound by weight reads), bfloat16 or float32 activations, a CPU with
+  AVX-512 VNNI: kvgraph's ``int8_matvec`` (``csrc/int8_linear_cpu.cpp``): the row split into three
+  int8 parts (exact to float32), each 64 weights multiplied by VPDPBUSD as they are loaded, the next
+  rows prefetched; it read ``llama-56m``'s 57 layers at 26 GB/s where ATen's kernel read them at 20;
+- up to :data:`FUSED_MIN_ROWS` - 1 rows: ATen's kernel;
 - :data:`FUSED_MIN_ROWS` .. :data:`FUSED_MAX_ROWS` rows (a decode batch), bfloat16 activations,
   an AVX-512 CPU: kvgraph's fused kernel (``csrc/int8_linear_cpu.cpp``): 64 weight rows at a
   time converted to bfloat16 in the core's cache and multiplied by oneDNN's brgemm microkernel
@@ -70,6 +74,8 @@ def _finish(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+VNNI_ROWS = 1  # kvgraph's int8_matvec up to here (at 2 rows and more ATen's kernel was as fast)
+
 _fused_state: dict[str, object] = {}
 
 
@@ -78,49 +84,67 @@ def fused_kernel():
     built for AVX-512, and its product checked once against the dequantized one), else ``None``."""
     if "kernel" not in _fused_state:
         kernel = cpp.int8_kernel() if cpp.capability() == "AVX512" else None
-        if kernel is not None and not _fused_agrees(kernel):
+        if kernel is not None and not _agrees(kernel, rows=FUSED_MIN_ROWS, dtype=torch.bfloat16,
+                                              name="fused int8 linear kernel"):
             kernel = None
         _fused_state["kernel"] = kernel
     return _fused_state["kernel"]
 
 
-def _fused_agrees(kernel) -> bool:
-    """Whether the fused kernel runs on this CPU and gives the dequantized product (to bf16 rounding)."""
+def _agrees(kernel, rows: int, dtype: torch.dtype, name: str) -> bool:
+    """Whether ``kernel`` runs on this CPU and gives the dequantized product (to bf16 rounding) at ``rows`` rows."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(FUSED_MIN_ROWS, 32, generator=g).bfloat16()
+    x = torch.randn(rows, 32, generator=g).to(dtype)
     weight = torch.randint(-127, 128, (70, 32), dtype=torch.int8, generator=g)
     scales = torch.rand(70, generator=g) / 127
     try:
         got = kernel(x, weight, scales, None).float()
-    except RuntimeError as e:  # oneDNN has no bfloat16 microkernel for this CPU
-        logger.warning("kvgraph's fused int8 linear kernel does not run here (%s); ATen's kernels serve instead", e)
+    except RuntimeError as e:  # oneDNN has no bfloat16 microkernel for this CPU, or it has no VNNI
+        logger.warning("kvgraph's %s does not run here (%s); ATen's kernels serve instead", name, e)
         return False
     want = x.double() @ (weight.double() * scales.double()[:, None]).T
     if torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2 * max(want.abs().max().item(), 1.0)):
         return True
-    logger.warning("kvgraph's fused int8 linear kernel disagrees with the dequantized product; ATen's kernels serve instead")
+    logger.warning("kvgraph's %s disagrees with the dequantized product; ATen's kernels serve instead", name)
     return False
+
+
+def matvec_kernel():
+    """``torch.ops.kvgraph_cpu.int8_matvec.default`` where it runs (kvgraph's C++ library built for
+    AVX-512 on a CPU with VNNI, and its product checked once against the dequantized one), else ``None``."""
+    if "matvec" not in _fused_state:
+        kernel = None
+        if cpp.int8_kernel() is not None and cpp.capability() == "AVX512":
+            kernel = torch.ops.kvgraph_cpu.int8_matvec.default
+            if not _agrees(kernel, rows=1, dtype=torch.float32, name="int8 matvec kernel"):
+                kernel = None
+        _fused_state["matvec"] = kernel
+    return _fused_state["matvec"]
 
 
 def kernel_for(rows: int, dtype: torch.dtype, k: int) -> str:
     """Which kernel the op runs on the CPU for ``rows`` rows of ``dtype`` activations with ``k``
-    input features: ``"fused"``, ``"aten"`` (``_weight_int8pack_mm``) or ``"dequantize"`` (a GEMM
-    over the weight dequantized for the call)."""
+    input features: ``"matvec"`` (``int8_matvec``), ``"fused"``, ``"aten"``
+    (``_weight_int8pack_mm``) or ``"dequantize"`` (a GEMM over the weight dequantized for the call)."""
+    if 1 <= rows <= VNNI_ROWS and dtype in (torch.bfloat16, torch.float32) and matvec_kernel() is not None:
+        return "matvec"
     if FUSED_MIN_ROWS <= rows <= FUSED_MAX_ROWS and dtype is torch.bfloat16 and k % 2 == 0:
         if fused_kernel() is not None:
             return "fused"
     return "aten" if rows <= MATVEC_ROWS else "dequantize"
 
 
-def cpu_routes() -> tuple[int, int, int] | None:
-    """``(fused_min_rows, fused_max_rows, matvec_rows)`` for ``kvgraph_cpu::int8_weight_linear`` on this
-    host (the fused range empty where :func:`fused_kernel` does not run), or ``None`` where kvgraph's C++
-    library cannot be built. Builds and loads it on first use."""
+def cpu_routes() -> tuple[int, int, int, int] | None:
+    """``(fused_min_rows, fused_max_rows, matvec_rows, vnni_rows)`` for ``kvgraph_cpu::int8_weight_linear``
+    on this host (the fused range empty where :func:`fused_kernel` does not run, ``vnni_rows`` 0 where
+    :func:`matvec_kernel` does not), or ``None`` where kvgraph's C++ library cannot be built. Builds
+    and loads it on first use."""
     if cpp.int8_kernel() is None:
         return None
+    vnni_rows = VNNI_ROWS if matvec_kernel() is not None else 0
     if fused_kernel() is None:
-        return (1, 0, MATVEC_ROWS)
-    return (FUSED_MIN_ROWS, FUSED_MAX_ROWS, MATVEC_ROWS)
+        return (1, 0, MATVEC_ROWS, vnni_rows)
+    return (FUSED_MIN_ROWS, FUSED_MAX_ROWS, MATVEC_ROWS, vnni_rows)
 
 
 @torch.library.impl(_LIB, "int8_weight_linear", "CPU")
@@ -131,6 +155,10 @@ def _int8_weight_linear_cpu(x: torch.Tensor, weight: torch.Tensor, scales: torch
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     kernel = kernel_for(x2d.shape[0], x.dtype, k)
+    if kernel == "matvec":
+        out = matvec_kernel()(x2d, weight.contiguous(), scales.float().contiguous(),
+                              None if bias is None else bias.float().contiguous())
+        return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "fused":
         if scales.dtype is not torch.float32 or not weight.is_contiguous():
             weight, scales = weight.contiguous(), scales.float().contiguous()
@@ -156,7 +184,7 @@ torch.library.register_fake("kvgraph::int8_weight_linear", linear_fake, lib=_LIB
 
 
 def int8_weight_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None = None, routes: tuple[int, int, int] | None = None,
+                       bias: torch.Tensor | None = None, routes: tuple[int, int, int, int] | None = None,
                        act_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``(x @ weight.T) * scales + bias`` for an int8 ``weight [N, K]`` (see the module): on the CPU
     with ``routes`` (:func:`cpu_routes`), through ``kvgraph_cpu::int8_weight_linear`` (which takes

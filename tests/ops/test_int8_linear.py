@@ -70,9 +70,50 @@ def test_the_fused_kernel_names_a_wrong_argument():
         kernel(x.float(), weight, scales, None)
 
 
+needs_matvec = pytest.mark.skipif(Q.matvec_kernel() is None, reason="needs the matvec kernel (AVX-512 VNNI, C++ library)")
+
+
+@needs_matvec
+@pytest.mark.parametrize("k", [32, 100, 1408])
+@pytest.mark.parametrize("out", [1, 5, 70, 130])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_matvec_kernel_computes_the_dequantized_product(k, out, dtype):
+    """One row, any K (not only multiples of 64) and any number of weight rows (not only of 4):
+    float32 rows to float32 rounding, since the row is split exactly into its int8 parts."""
+    g = torch.Generator().manual_seed(k + out)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    weight = torch.randint(-127, 128, (out, k), dtype=torch.int8, generator=g)
+    scales, bias = torch.rand(out, generator=g) / 127 + 1e-3, torch.randn(out, generator=g).to(dtype)
+    assert Q.kernel_for(1, dtype, k) == "matvec"
+    tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-5}
+    for b in (bias, None):
+        torch.testing.assert_close(Q.int8_weight_linear(x, weight, scales, b), exact(x, weight, scales, b), **tol)
+    zeros = Q.int8_weight_linear(torch.zeros(1, k, dtype=dtype), weight, scales, bias)
+    torch.testing.assert_close(zeros, bias[None], rtol=0, atol=0)
+
+
+@needs_matvec
+def test_the_matvec_kernel_names_a_wrong_argument():
+    kernel = Q.matvec_kernel()
+    weight, scales = torch.zeros(70, 32, dtype=torch.int8), torch.ones(70)
+    with pytest.raises(RuntimeError, match="x must be one row"):
+        kernel(torch.randn(2, 32), weight, scales, None)
+    with pytest.raises(RuntimeError, match="x's K = 31 but the weight's is 32"):
+        kernel(torch.randn(1, 31), weight, scales, None)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous float32 of 70"):
+        kernel(torch.randn(1, 32), weight, scales.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 of 70"):
+        kernel(torch.randn(1, 32), weight, scales, torch.ones(69))
+
+
 def test_the_kernel_follows_rows_dtype_and_k():
     fused = Q.fused_kernel() is not None
     mid = "fused" if fused else "aten"
+    one = "matvec" if Q.matvec_kernel() is not None else "aten"
+    assert Q.kernel_for(1, torch.bfloat16, 32) == one
+    assert Q.kernel_for(1, torch.float32, 31) == one
+    assert Q.kernel_for(1, torch.float16, 32) == "aten"
+    assert Q.kernel_for(2, torch.bfloat16, 32) == "aten"
     assert Q.kernel_for(Q.FUSED_MIN_ROWS - 1, torch.bfloat16, 32) == "aten"
     assert Q.kernel_for(Q.FUSED_MIN_ROWS, torch.bfloat16, 32) == mid
     assert Q.kernel_for(Q.FUSED_MAX_ROWS, torch.bfloat16, 32) == ("fused" if fused else "dequantize")
@@ -129,7 +170,7 @@ needs_library = pytest.mark.skipif(Q.cpu_routes() is None, reason="needs kvgraph
 
 
 @needs_library
-@pytest.mark.parametrize("rows", [0, 1, Q.FUSED_MIN_ROWS - 1, Q.FUSED_MIN_ROWS, 17, Q.MATVEC_ROWS, Q.MATVEC_ROWS + 1,
+@pytest.mark.parametrize("rows", [0, 1, 2, Q.FUSED_MIN_ROWS - 1, Q.FUSED_MIN_ROWS, 17, Q.MATVEC_ROWS, Q.MATVEC_ROWS + 1,
                                   Q.FUSED_MAX_ROWS, Q.FUSED_MAX_ROWS + 1, 150])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_cpp_routing_is_the_python_op_bit_for_bit(rows, dtype):
@@ -148,7 +189,10 @@ def test_the_cpp_routing_is_the_python_op_bit_for_bit(rows, dtype):
 
 def test_routes_follow_the_library_and_the_fused_kernel(monkeypatch, without_fused):
     if Q.cpp.int8_kernel() is not None:
-        assert Q.cpu_routes() == (1, 0, Q.MATVEC_ROWS)  # no fused kernel: an empty fused range
+        vnni = Q.VNNI_ROWS if Q.matvec_kernel() is not None else 0
+        assert Q.cpu_routes() == (1, 0, Q.MATVEC_ROWS, vnni)  # no fused kernel: an empty fused range
+        monkeypatch.setitem(Q._fused_state, "matvec", None)
+        assert Q.cpu_routes() == (1, 0, Q.MATVEC_ROWS, 0)  # no matvec kernel: no rows for it
     monkeypatch.setattr(Q.cpp, "int8_kernel", lambda: None)
     assert Q.cpu_routes() is None
 
@@ -174,5 +218,5 @@ def test_the_cpp_routing_names_a_wrong_argument():
         Q.int8_weight_linear(x, weight.float(), scales, None, routes)
     with FakeTensorMode():
         out = Q.int8_weight_linear(torch.empty(1, 5, 32, dtype=torch.bfloat16), torch.empty(40, 32, dtype=torch.int8),
-                                   torch.empty(40), None, (9, 64, 48))
+                                   torch.empty(40), None, (9, 64, 48, 1))
     assert out.shape == (1, 5, 40) and out.dtype == torch.bfloat16

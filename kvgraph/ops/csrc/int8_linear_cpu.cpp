@@ -14,7 +14,8 @@
 // kvgraph/ops/int8_linear.py, never calls it.
 //
 // kvgraph_cpu::int8_weight_linear: kvgraph::int8_weight_linear's CPU routing by row count
-// (kvgraph/ops/int8_linear.py says why), with the row thresholds given by the caller: the fused
+// (kvgraph/ops/int8_linear.py says why), with the row thresholds given by the caller:
+// int8_matvec up to vnni_rows bfloat16 or float32 rows (below), the fused
 // kernel for fused_min_rows..fused_max_rows bfloat16 rows with an even K, ATen's
 // _weight_int8pack_mm up to matvec_rows (with act_scales, the scales already in x's dtype, when
 // given), else a GEMM over the weight dequantized for the call.
@@ -34,8 +35,10 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace kvgraph {
@@ -61,6 +64,144 @@ void int8_to_bf16(const int8_t* src, uint16_t* dst, int64_t count) {
   }
 }
 #endif
+
+// -- kvgraph_cpu::int8_matvec: one row of x (a batch-1 decode step) with AVX-512 VNNI --
+// y[0, n] = scales[n] * (x . w[n]) (+ bias[n]), x bfloat16 or float32 [1, K]. The row of x is split
+// exactly enough for a float32 result: x / sq = h + m / 254 + l / 254^2 with h, m, l int8 (sq =
+// max|x| / 127), an error below 2^-23 of max|x| (as the int8 KV decode of ragged_attention_cpu.cpp
+// does). Each 64 weights are loaded once, read as unsigned (w + 128: VPDPBUSD multiplies u8 by s8,
+// and 128 * sum(part) is taken off at the end) and multiplied by the three parts, four products
+// summed per int32 lane, four weight rows at a time; each load also asks for the same bytes
+// kPrefetchRows rows further on, which the hardware prefetcher does not do across the 2 threads'
+// row ranges. On llama-56m's 57 layers in a row (40 MB, benchmarks/int8_linear.py) that read the
+// weights at 26 GB/s where ATen's _weight_int8pack_mm read them at 20 GB/s; at 2 rows and more
+// ATen's kernel was as fast, so the op takes one row.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+#define KVGRAPH_MATVEC_VNNI 1
+#define KVGRAPH_VNNI __attribute__((target("avx512vnni")))
+
+// Whether this CPU runs VPDPBUSD (an AVX-512 build may run on one without it, e.g. Skylake-X).
+bool has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+constexpr int kParts = 3;             // int8 parts of x: h, m, l
+constexpr double kRadix = 254.0;      // x / sq = h + m / kRadix + l / kRadix^2
+constexpr int64_t kMatvecBlock = 4;   // weight rows multiplied together
+constexpr int64_t kPrefetchRows = 8;  // weight rows ahead each load asks for (4-16 measured alike)
+
+// x split into its parts, padded with zeros to a multiple of 64 values; buffers reused across calls.
+struct SplitRow {
+  int64_t k = 0, kp = 0;
+  std::vector<int8_t> parts;  // [kParts, kp]
+  float sq = 0.0f;
+  int32_t sums[kParts] = {};  // 128 * each part's sum: what reading W as W + 128 adds
+  std::vector<double> rest;   // [k]: what the parts so far leave of x
+
+  template <typename T>
+  void split(const T* x, int64_t k_) {
+    k = k_, kp = (k_ + 63) / 64 * 64;
+    parts.assign(kParts * kp, 0);
+    rest.resize(k);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+    sq = amax / 127.0f;
+    const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
+    for (int64_t i = 0; i < k; ++i) rest[i] = static_cast<float>(x[i]) * inv;  // in [-127, 127]
+    for (int p = 0; p < kParts; ++p) {
+      int8_t* part = parts.data() + p * kp;
+      int32_t total = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double rounded = std::nearbyint(rest[i]);  // each remainder in [-0.5, 0.5]: the next unit
+        rest[i] = (rest[i] - rounded) * kRadix;
+        part[i] = static_cast<int8_t>(rounded);
+        total += part[i];
+      }
+      sums[p] = 128 * total;
+    }
+  }
+};
+
+// R weight rows from `row`.
+template <int R, typename out_t>
+KVGRAPH_VNNI void matvec_block(const SplitRow& x, const int8_t* w, int64_t row, int64_t n, const float* s,
+                               const float* bias, out_t* out) {
+  const int64_t k = x.k, kp = x.kp;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[R][kParts];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < kParts; ++p) acc[r][p] = _mm512_setzero_si512();
+  for (int64_t kk = 0; kk < kp; kk += 64) {
+    const __mmask64 mask = k - kk >= 64 ? ~__mmask64{0} : (__mmask64{1} << (k - kk)) - 1;
+    __m512i xp[kParts];
+    for (int p = 0; p < kParts; ++p) xp[p] = _mm512_loadu_si512(x.parts.data() + p * kp + kk);
+    for (int r = 0; r < R; ++r) {
+      // lanes past k read as 0 ^ 0x80 = 128, times the parts' zero padding
+      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (row + r) * k + kk), flip);
+      if (row + r + kPrefetchRows < n) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (row + r + kPrefetchRows) * k + kk), _MM_HINT_T0);
+      }
+      for (int p = 0; p < kParts; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], wv, xp[p]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    double total = 0.0;
+    for (int p = kParts - 1; p >= 0; --p) total = total / kRadix + (_mm512_reduce_add_epi32(acc[r][p]) - x.sums[p]);
+    const float v = static_cast<float>(total) * x.sq * s[row + r] + (bias != nullptr ? bias[row + r] : 0.0f);
+    out[row + r] = static_cast<out_t>(v);
+  }
+}
+#endif
+
+at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+#if !KVGRAPH_MATVEC_VNNI
+  TORCH_CHECK(false, "int8_matvec: built without AVX-512; kvgraph::int8_weight_linear does not call it here");
+#else
+  TORCH_CHECK(has_vnni(), "int8_matvec: this CPU has no AVX-512 VNNI; kvgraph::int8_weight_linear does not call it here");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.size(0) == 1,
+              "int8_matvec: x must be one row, a [1, K] bfloat16 or float32 tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              "int8_matvec: weight must be a contiguous 2-D int8 tensor, got ", weight.scalar_type(), " ",
+              weight.sizes());
+  const int64_t k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "int8_matvec: x's K = ", k, " but the weight's is ", weight.size(1));
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
+              "int8_matvec: scales must be a contiguous float32 of ", n, " values, got ", scales.scalar_type(), " ",
+              scales.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "int8_matvec: bias must be a contiguous float32 of ", n, " values");
+  static thread_local SplitRow buffers;  // one call at a time per calling thread
+  SplitRow& split = buffers;             // the workers read the caller's (a thread_local by name is their own)
+  const at::Tensor xc = x.contiguous();
+  if (xc.scalar_type() == at::kBFloat16) {
+    split.split(xc.const_data_ptr<at::BFloat16>(), k);
+  } else {
+    split.split(xc.const_data_ptr<float>(), k);
+  }
+  at::Tensor y = at::empty({1, n}, x.options());
+  const int8_t* w = weight.const_data_ptr<int8_t>();
+  const float* s = scales.const_data_ptr<float>();
+  const float* pb = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  auto run = [&](auto* out) {
+    using out_t = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, (n + kMatvecBlock - 1) / kMatvecBlock, 16, [&](int64_t first, int64_t last) {
+      int64_t row = first * kMatvecBlock;
+      const int64_t end = std::min(n, last * kMatvecBlock);
+      for (; row + kMatvecBlock <= end; row += kMatvecBlock) matvec_block<kMatvecBlock, out_t>(split, w, row, n, s, pb, out);
+      for (; row < end; ++row) matvec_block<1, out_t>(split, w, row, n, s, pb, out);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(y.mutable_data_ptr<at::BFloat16>());
+  } else {
+    run(y.mutable_data_ptr<float>());
+  }
+  return y;
+#endif
+}
 
 at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& bias) {
@@ -124,7 +265,7 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& weight, const
 
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                               const std::optional<at::Tensor>& bias, int64_t fused_min_rows, int64_t fused_max_rows,
-                              int64_t matvec_rows, const std::optional<at::Tensor>& act_scales) {
+                              int64_t matvec_rows, int64_t vnni_rows, const std::optional<at::Tensor>& act_scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2,
               "int8_weight_linear: weight must be a 2-D int8 tensor, got ", weight.scalar_type(), " ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1, "int8_weight_linear: x must have a feature dim, got shape ", x.sizes());
@@ -140,6 +281,11 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, con
   shape.back() = n;
   const at::Tensor x2d = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2d.size(0);
+  if (rows >= 1 && rows <= vnni_rows && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat)) {
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+    return int8_matvec(x2d, weight.contiguous(), scales.to(at::kFloat).contiguous(), b).view(shape);
+  }
   if (rows >= fused_min_rows && rows <= fused_max_rows && x.scalar_type() == at::kBFloat16 && k % 2 == 0) {
     std::optional<at::Tensor> b;
     if (bias.has_value()) b = bias->to(at::kBFloat16).contiguous();
@@ -165,4 +311,5 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& weight, con
 TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) {
   m.impl("int8_linear_bf16", &kvgraph::int8_linear_bf16);
   m.impl("int8_weight_linear", &kvgraph::int8_weight_linear);
+  m.impl("int8_matvec", &kvgraph::int8_matvec);
 }
