@@ -16,7 +16,8 @@ QUANT = ["--dtype", "bfloat16", "--quantization", "int8-weight-only"]
 def test_the_flags_set_the_config_fields(command):
     args = build_parser().parse_args([command, *QUANT, "--quantize-lm-head"])
     assert engine_config(args, progress=True) == EngineConfig(
-        dtype=torch.bfloat16, quantization="int8-weight-only", quantize_lm_head=True
+        dtype=torch.bfloat16, quantization="int8-weight-only", quantize_lm_head=True,
+        background_compile=command == "serve",  # serve's own default
     )
 
 
