@@ -224,6 +224,25 @@ class SamplerOutput:
     logprobs: Logprobs | None = None
 
 
+_argmax_rows: list = []  # [kvgraph_cpu::argmax_rows or None], looked up at the first call
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``int64 [B]``: each row's first largest logit (a NaN counted as the largest), on the logits'
+    device. On the CPU with float32 logits, kvgraph's C++ ``argmax_rows`` (2.7-2.9x
+    ``torch.max(dim=-1)`` at 32-64 rows of 32000: it finds the maximum, then its first lane, both
+    vectorized); elsewhere ``max(dim).indices``, the same answer at a third of ``torch.argmax``'s
+    time on the CPU (0.3 vs 0.86 ms for 32 x 32000)."""
+    if logits.device.type == "cpu" and logits.dtype is torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        if not _argmax_rows:
+            from kvgraph.ops import cpp
+
+            _argmax_rows.append(cpp.argmax_kernel())
+        if _argmax_rows[0] is not None:
+            return _argmax_rows[0](logits)
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -243,9 +262,7 @@ def sample(
         raise ConfigError(
             f"sample got {logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators"
         )
-    # tokens: [B]. max(dim).indices is argmax (the first of tied maxima, NaN counted as the
-    # largest) at a third of the time of torch.argmax on the CPU: 0.3 vs 0.86 ms for 32 x 32000
-    tokens = logits.max(dim=-1).indices
+    tokens = greedy_tokens(logits)  # [B]
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue

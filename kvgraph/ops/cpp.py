@@ -46,6 +46,7 @@ SOURCE = Path(__file__).parent / "csrc" / "ragged_attention_cpu.cpp"
 INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
 PANEL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_cpu.cpp"
+GREEDY_SOURCE = Path(__file__).parent / "csrc" / "greedy_cpu.cpp"
 HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h",)  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
@@ -136,8 +137,8 @@ def _clear_stale_lock(build_dir: Path) -> None:
 
 def sources() -> tuple[Path, ...]:
     """The library's C++ sources: the attention kernel, the int8 linear layer, the packed float32
-    one and its GEMM."""
-    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE, PANEL_GEMM_SOURCE
+    one and its GEMM, and the greedy pick."""
+    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE, PANEL_GEMM_SOURCE, GREEDY_SOURCE
 
 
 def _define_schema() -> None:
@@ -155,6 +156,7 @@ def _define_schema() -> None:
         library.define("packed_linear" + PACKED_LINEAR_SCHEMA)
         torch.library.register_fake("kvgraph_cpu::packed_linear", linear_fake, lib=library)
         library.define("packed_linear_gemm() -> str")
+        library.define("argmax_rows(Tensor logits) -> Tensor")
         _library = library
 
 
@@ -270,6 +272,14 @@ def packed_linear_kernel():
     if _load() is not None or torch.ops.kvgraph_cpu.packed_linear_gemm() == "none":
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
+
+
+def argmax_kernel():
+    """``torch.ops.kvgraph_cpu.argmax_rows.default`` (each row's first largest float32 logit, as
+    ``torch.max(dim=-1).indices``), or ``None`` where the library cannot be built."""
+    if _load() is not None:
+        return None
+    return torch.ops.kvgraph_cpu.argmax_rows.default
 
 
 def packed_linear_gemm() -> str | None:

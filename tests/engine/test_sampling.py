@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kvgraph.engine.sampling import SamplingParams, filter_logits, sample
+from kvgraph.engine import sampling
+from kvgraph.engine.sampling import SamplingParams, filter_logits, greedy_tokens, sample
 from kvgraph.errors import ConfigError
 
 
@@ -22,6 +23,23 @@ def test_greedy_takes_the_first_of_tied_maxima_and_a_nan():
     greedy = [SamplingParams(temperature=0.0)] * 3
     out = sample(logits, greedy, [None] * 3)
     assert out.tokens.tolist() == [7, 123, 0] == torch.argmax(logits, dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_tokens_with_and_without_the_cpp_kernel(monkeypatch, dtype):
+    """float32 on the CPU goes to kvgraph's argmax_rows where it builds, the rest to torch.max:
+    the same tokens either way."""
+    logits = _logits(rows=9, vocab=1000).to(dtype)
+    logits[2, [10, 600]] = 50.0
+    logits[4, 77] = float("nan")
+    want = logits.max(dim=-1).indices
+    assert torch.equal(greedy_tokens(logits), want)
+    if dtype is torch.float32:
+        from kvgraph.ops import cpp
+
+        assert sampling._argmax_rows == [cpp.argmax_kernel()]  # looked up once, the C++ op where it builds
+    monkeypatch.setattr(sampling, "_argmax_rows", [None])  # as where the library does not build
+    assert torch.equal(greedy_tokens(logits), want)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=1),
