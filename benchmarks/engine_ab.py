@@ -36,6 +36,7 @@ import time
 import torch
 
 from kvgraph.compiler import backend
+from kvgraph.engine import sampling
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.llm import LLM
 from kvgraph.ops import cpp, linear
@@ -53,6 +54,7 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "mkl_linears": {"precompile": False},  # the same, multiplying with MKL's pack instead of kvgraph's C++ GEMM
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
+    "torch_greedy": {},  # the defaults, greedy tokens picked by torch.max instead of kvgraph's argmax_rows
 }
 
 
@@ -88,7 +90,17 @@ def compiled_as(name: str):
 @contextlib.contextmanager
 def running_as(name: str):
     """While ``name``'s engine runs: ``mkl_linears``' ``kvgraph::linear`` multiplies with MKL's pack
-    (its Python path without kvgraph's C++ library), ``python_linears``' with kvgraph's C++ kernel."""
+    (its Python path without kvgraph's C++ library), ``python_linears``' with kvgraph's C++ kernel;
+    ``torch_greedy`` picks greedy tokens with ``torch.max``."""
+    if name == "torch_greedy":
+        sampling.greedy_tokens(torch.zeros(1, 1))  # looks the C++ op up
+        saved_greedy = sampling._argmax_rows[:]
+        sampling._argmax_rows[:] = [None]
+        try:
+            yield
+        finally:
+            sampling._argmax_rows[:] = saved_greedy
+        return
     if name not in ("python_linears", "mkl_linears"):
         yield
         return
