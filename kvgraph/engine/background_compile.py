@@ -67,11 +67,16 @@ class CompileWorker:
             torch.save({"model": structure_only(model), "config": config}, f)
         self.log_path = Path(payload).with_suffix(".log")
         self.started = time.perf_counter()
-        with open(self.log_path, "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE, payload],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            )
+        try:
+            with open(self.log_path, "wb") as out:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", WORKER_MODULE, payload],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                )
+        except BaseException:
+            Path(payload).unlink(missing_ok=True)  # the worker removes it once read; no worker, so here
+            self.log_path.unlink(missing_ok=True)
+            raise
         self.took_s: float | None = None
 
     @property
@@ -122,9 +127,10 @@ class CompilingInBackground:
     first of the new generation.
     """
 
-    def __init__(self, eager: Callable, compiled: Callable, worker: CompileWorker) -> None:
+    def __init__(self, eager: Callable, compiled: Callable, worker: CompileWorker, progress=None) -> None:
         self.eager = eager
         self.compiled = compiled
+        self.progress = progress  # a CompileProgress naming the inner compiler, set to Inductor at the switch
         self.worker: CompileWorker | None = worker
         self._current = eager
         self._generation = 0
@@ -150,6 +156,8 @@ class CompilingInBackground:
         else:
             log.info("the compile worker wrote the compiled graphs in %.1fs; the next steps load and run them", took)
         worker.stop()
+        if self.progress is not None:
+            self.progress.inner = "inductor"
         self.worker = None
         self.eager = None  # its lowered graphs are not called again
         self._current = compiled

@@ -130,5 +130,7 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
             model, manager=manager, inner="eager", packed_linears=config.packed_linears,
             freeze_weights=False, dump=shown.dump if shown else None,
         )
-        compiled = CompilingInBackground(eager, compiled, CompileWorker(model, config))
+        if shown is not None:
+            shown.inner = "eager"  # what this process runs until the worker is done
+        compiled = CompilingInBackground(eager, compiled, CompileWorker(model, config), progress=shown)
     return PreparedModel(model, device, params, manager, compiled, strategy.runner(compiled, manager, shown))

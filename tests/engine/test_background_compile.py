@@ -102,3 +102,54 @@ def test_no_worker_where_precompiled_files_do_not_apply(llama, fresh_cache, sett
     assert not isinstance(llm.compiled, CompilingInBackground)
     assert not llm.compiling_in_background
     assert llm.wait_for_compile(timeout=0)
+
+
+class _DoneWorker:
+    """A worker that has exited with ``code`` (what ``CompilingInBackground`` reads of one)."""
+
+    pid, took_s = 4242, 1.5
+
+    def __init__(self, code: int) -> None:
+        self.code, self.stopped = code, False
+
+    def poll(self) -> int:
+        return self.code
+
+    def log_tail(self) -> str:
+        return "Traceback: it broke"
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _Compiled:
+    def __init__(self, name: str, files: bool = True) -> None:
+        self.name, self.files = name, files
+
+    def __call__(self, *args, **kwargs):
+        return self.name
+
+    def has_precompiled(self, one_token: bool) -> bool:
+        return self.files
+
+
+@pytest.mark.parametrize("code, files, warning", [
+    (0, True, None),
+    (3, False, r"(?s)exited with status 3 after 1.5s.*Traceback: it broke"),
+    (0, False, "wrote no precompiled files"),
+])
+def test_the_switch_calls_the_compiled_model_and_names_inductor(code, files, warning):
+    """Reading ``generation`` after the worker exits switches once: later calls go to the compiled
+    model, the progress names Inductor again, the worker is stopped; a failed worker or one that
+    wrote nothing is reported (the compiled model then compiles in this process)."""
+    progress = type("Progress", (), {"inner": "eager"})()
+    worker = _DoneWorker(code)
+    switching = CompilingInBackground(_Compiled("eager"), _Compiled("compiled", files), worker, progress=progress)
+    assert switching() == "eager" and switching.compiling is False
+    if warning is None:
+        assert switching.generation == 1
+    else:
+        with pytest.warns(RuntimeWarning, match=warning):
+            assert switching.generation == 1
+    assert switching() == "compiled" and switching.generation == 1
+    assert progress.inner == "inductor" and worker.stopped and switching.worker is None
