@@ -93,6 +93,21 @@ def test_the_matvec_kernel_computes_the_dequantized_product(k, out, dtype):
 
 
 @needs_matvec
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_matvec_kernel_carries_a_nan_or_an_infinity(bad):
+    """A non-finite activation cannot be split into int8 parts: the product still carries it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 100, generator=g)
+    x[0, 37] = bad
+    weight = torch.randint(-127, 128, (9, 100), dtype=torch.int8, generator=g)
+    scales = torch.rand(9, generator=g) / 127 + 1e-3
+    got = Q.int8_weight_linear(x, weight, scales)
+    want = exact(x, weight, scales)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-6, atol=1e-5)
+    assert not got.isfinite().any()
+
+
+@needs_matvec
 def test_the_matvec_kernel_names_a_wrong_argument():
     kernel = Q.matvec_kernel()
     weight, scales = torch.zeros(70, 32, dtype=torch.int8), torch.ones(70)

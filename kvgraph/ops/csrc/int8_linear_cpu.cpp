@@ -96,6 +96,7 @@ struct SplitRow {
   int64_t k = 0, kp = 0;
   std::vector<int8_t> parts;  // [kParts, kp]
   float sq = 0.0f;
+  bool finite = true;         // every value finite; else the parts are not made (see int8_matvec)
   int32_t sums[kParts] = {};  // 128 * each part's sum: what reading W as W + 128 adds
   std::vector<double> rest;   // [k]: what the parts so far leave of x
 
@@ -106,6 +107,9 @@ struct SplitRow {
     rest.resize(k);
     float amax = 0.0f;
     for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
+    finite = std::isfinite(amax);
+    for (int64_t i = 0; i < k && finite; ++i) finite = !std::isnan(static_cast<float>(x[i]));  // max skips a NaN
+    if (!finite) return;
     sq = amax / 127.0f;
     const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
     for (int64_t i = 0; i < k; ++i) rest[i] = static_cast<float>(x[i]) * inv;  // in [-127, 127]
@@ -180,6 +184,12 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& weight, const at::
     split.split(xc.const_data_ptr<at::BFloat16>(), k);
   } else {
     split.split(xc.const_data_ptr<float>(), k);
+  }
+  if (!split.finite) {
+    // a NaN or infinity in x: the float32 product of the dequantized weight, which carries it
+    at::Tensor y = at::mm(xc.to(at::kFloat), weight.to(at::kFloat).mul_(scales.unsqueeze(1)).t());
+    if (bias.has_value()) y.add_(*bias);
+    return y.to(x.scalar_type());
   }
   at::Tensor y = at::empty({1, n}, x.options());
   const int8_t* w = weight.const_data_ptr<int8_t>();
