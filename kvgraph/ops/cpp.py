@@ -1,7 +1,8 @@
 """Build and load kvgraph's C++ CPU kernels: ``kvgraph::ragged_attention``
 (``csrc/ragged_attention_cpu.cpp``), the fused int8 weight-only linear layer of
-``kvgraph::int8_weight_linear`` (``csrc/int8_linear_cpu.cpp``) and ``kvgraph::linear``'s packed
-float32 path (``csrc/packed_linear_cpu.cpp``), one library.
+``kvgraph::int8_weight_linear`` and its one-row VNNI kernel (``csrc/int8_linear_cpu.cpp``),
+``kvgraph::linear``'s packed float32 path (``csrc/packed_linear_cpu.cpp``, ``csrc/panel_gemm_cpu.cpp``)
+and the sampler's greedy pick (``csrc/greedy_cpu.cpp``), one library.
 
 The library is compiled on first use with :func:`torch.utils.cpp_extension.load` (the C++
 compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself runs on this CPU
