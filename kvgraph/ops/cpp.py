@@ -48,7 +48,7 @@ INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
 PANEL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_cpu.cpp"
 GREEDY_SOURCE = Path(__file__).parent / "csrc" / "greedy_cpu.cpp"
-HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h",)  # part of the build's key, not compiled alone
+HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "int8_parts.h")  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "

@@ -41,6 +41,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_parts.h"
+
 namespace kvgraph {
 namespace {
 
@@ -80,14 +82,9 @@ void int8_to_bf16(const int8_t* src, uint16_t* dst, int64_t count) {
 #define KVGRAPH_MATVEC_VNNI 1
 #define KVGRAPH_VNNI __attribute__((target("avx512vnni")))
 
-// Whether this CPU runs VPDPBUSD (an AVX-512 build may run on one without it, e.g. Skylake-X).
-bool has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
-
-constexpr int kParts = 3;             // int8 parts of x: h, m, l
-constexpr double kRadix = 254.0;      // x / sq = h + m / kRadix + l / kRadix^2
+using int8_parts::has_vnni;
+using int8_parts::kParts;  // int8 parts of x: h, m, l (csrc/int8_parts.h)
+using int8_parts::kRadix;
 constexpr int64_t kMatvecBlock = 4;   // weight rows multiplied together
 constexpr int64_t kPrefetchRows = 8;  // weight rows ahead each load asks for (4-16 measured alike)
 
@@ -98,13 +95,13 @@ struct SplitRow {
   float sq = 0.0f;
   bool finite = true;         // every value finite; else the parts are not made (see int8_matvec)
   int32_t sums[kParts] = {};  // 128 * each part's sum: what reading W as W + 128 adds
-  std::vector<double> rest;   // [k]: what the parts so far leave of x
+  std::vector<double> rest;   // [2, k]: what the parts so far leave of x, and split's scratch
 
   template <typename T>
   void split(const T* x, int64_t k_) {
     k = k_, kp = (k_ + 63) / 64 * 64;
     parts.assign(kParts * kp, 0);
-    rest.resize(k);
+    rest.resize(2 * k);
     float amax = 0.0f;
     for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
     finite = std::isfinite(amax);
@@ -113,15 +110,10 @@ struct SplitRow {
     sq = amax / 127.0f;
     const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
     for (int64_t i = 0; i < k; ++i) rest[i] = static_cast<float>(x[i]) * inv;  // in [-127, 127]
-    for (int p = 0; p < kParts; ++p) {
-      int8_t* part = parts.data() + p * kp;
+    int8_parts::split(rest.data(), rest.data() + k, k, parts.data(), kp);
+    for (int64_t p = 0; p < kParts; ++p) {
       int32_t total = 0;
-      for (int64_t i = 0; i < k; ++i) {
-        const double rounded = std::nearbyint(rest[i]);  // each remainder in [-0.5, 0.5]: the next unit
-        rest[i] = (rest[i] - rounded) * kRadix;
-        part[i] = static_cast<int8_t>(rounded);
-        total += part[i];
-      }
+      for (int64_t i = 0; i < k; ++i) total += parts[p * kp + i];
       sums[p] = 128 * total;
     }
   }

@@ -53,6 +53,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_parts.h"
+
 namespace kvgraph {
 namespace {
 
@@ -418,14 +420,9 @@ inline void soft_cap(T* x, T c, int64_t n) {
 #define KVGRAPH_INT8_VNNI 1
 #define KVGRAPH_VNNI_TARGET __attribute__((target("avx512vnni")))
 
-// Whether this CPU runs VPDPBUSD (an AVX-512 build may run on one without it, e.g. Skylake-X).
-bool has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
-
-constexpr int64_t kQParts = 3;    // int8 parts of a query: h, m, l
-constexpr float kQRadix = 254.0f;  // x / sq = h + m / kQRadix + l / kQRadix^2
+using int8_parts::has_vnni;
+constexpr int64_t kQParts = int8_parts::kParts;  // int8 parts of a query: h, m, l (csrc/int8_parts.h)
+constexpr float kQRadix = static_cast<float>(int8_parts::kRadix);
 
 // A thread's int8 decode state, prepared once per item: the item's queries split for VPDPBUSD,
 // the layout of a row's groups over the 16-lane chunks of D, and the scratch of a run's transposed K
@@ -461,16 +458,9 @@ struct Int8Decode {
       scale[r] = amax / 127.0f;
       const double inv = amax > 0.0f ? 127.0 / amax : 0.0;
       for (int64_t d = 0; d < D; ++d) rest[d] = x[d] * inv;  // in [-127, 127]
+      int8_parts::split(rest.data(), rest.data() + D, D, parts.data() + r * kQParts * D, D);
       for (int64_t k = 0; k < kQParts; ++k) {
-        // each part leaves a remainder in [-0.5, 0.5], the next part's unit (rounded apart from
-        // the int8 stores, which may alias anything, so that both loops vectorize)
-        double* rounded = rest.data() + D;
-        for (int64_t d = 0; d < D; ++d) {
-          rounded[d] = std::nearbyint(rest[d]);
-          rest[d] = (rest[d] - rounded[d]) * kQRadix;
-        }
-        int8_t* part = parts.data() + (r * kQParts + k) * D;
-        for (int64_t d = 0; d < D; ++d) part[d] = static_cast<int8_t>(rounded[d]);
+        const int8_t* part = parts.data() + (r * kQParts + k) * D;
         int32_t* off = offset.data() + (r * kQParts + k) * (D / group);
         for (int64_t gi = 0; gi < D / group; ++gi) {
           for (int64_t d = gi * group; d < (gi + 1) * group; ++d) off[gi] += 128 * int32_t{part[d]};
