@@ -73,11 +73,12 @@ void int8_to_bf16(const int8_t* src, uint16_t* dst, int64_t count) {
 // max|x| / 127), an error below 2^-23 of max|x| (as the int8 KV decode of ragged_attention_cpu.cpp
 // does). Each 64 weights are loaded once, read as unsigned (w + 128: VPDPBUSD multiplies u8 by s8,
 // and 128 * sum(part) is taken off at the end) and multiplied by the three parts, four products
-// summed per int32 lane, four weight rows at a time; each load also asks for the same bytes
-// kPrefetchRows rows further on, which the hardware prefetcher does not do across the 2 threads'
-// row ranges. On llama-56m's 57 layers in a row (40 MB, benchmarks/int8_linear.py) that read the
-// weights at 26 GB/s where ATen's _weight_int8pack_mm read them at 20 GB/s; at 2 rows and more
-// ATen's kernel was as fast, so the op takes one row.
+// summed per int32 lane. Each thread reads its rows one after another, front to back, so that its
+// reads are one sequential stream; each load also asks for the same bytes kPrefetchRows rows further
+// on. Four rows read side by side (64 bytes of each in turn, the first version) read llama-56m's 57
+// layers (40 MB, benchmarks/int8_linear.py) at 26 GB/s on a Xeon but at 13-15 GB/s on Zen 4, where
+// one row at a time reads them at 18-25 GB/s, 0.7-0.8 of a plain float sum over the same bytes.
+// At 2 rows and more ATen's _weight_int8pack_mm was as fast, so the op takes one row.
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
 #define KVGRAPH_MATVEC_VNNI 1
 #define KVGRAPH_VNNI __attribute__((target("avx512vnni")))
@@ -85,8 +86,8 @@ void int8_to_bf16(const int8_t* src, uint16_t* dst, int64_t count) {
 using int8_parts::has_vnni;
 using int8_parts::kParts;  // int8 parts of x: h, m, l (csrc/int8_parts.h)
 using int8_parts::kRadix;
-constexpr int64_t kMatvecBlock = 4;   // weight rows multiplied together
-constexpr int64_t kPrefetchRows = 8;  // weight rows ahead each load asks for (4-16 measured alike)
+constexpr int64_t kMatvecGrain = 64;  // rows per share of the threads' work, at least
+constexpr int64_t kPrefetchRows = 8;  // weight rows ahead each load asks for (0-16 measured alike on Zen 4)
 
 // x split into its parts, padded with zeros to a multiple of 64 values; buffers reused across calls.
 struct SplitRow {
@@ -119,34 +120,55 @@ struct SplitRow {
   }
 };
 
-// R weight rows from `row`.
-template <int R, typename out_t>
-KVGRAPH_VNNI void matvec_block(const SplitRow& x, const int8_t* w, int64_t row, int64_t n, const float* s,
-                               const float* bias, out_t* out) {
-  const int64_t k = x.k, kp = x.kp;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i acc[R][kParts];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < kParts; ++p) acc[r][p] = _mm512_setzero_si512();
-  for (int64_t kk = 0; kk < kp; kk += 64) {
-    const __mmask64 mask = k - kk >= 64 ? ~__mmask64{0} : (__mmask64{1} << (k - kk)) - 1;
-    __m512i xp[kParts];
-    for (int p = 0; p < kParts; ++p) xp[p] = _mm512_loadu_si512(x.parts.data() + p * kp + kk);
-    for (int r = 0; r < R; ++r) {
-      // lanes past k read as 0 ^ 0x80 = 128, times the parts' zero padding
-      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (row + r) * k + kk), flip);
-      if (row + r + kPrefetchRows < n) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (row + r + kPrefetchRows) * k + kk), _MM_HINT_T0);
-      }
-      for (int p = 0; p < kParts; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], wv, xp[p]);
-    }
+// One weight row's three VPDPBUSD sums (one per part of x), named rather than an array: GCC kept a
+// loop-indexed array of them in memory and stored every sum at every step (measured on Zen 4 at 13
+// GB/s a core, cache-hot, against 30+ with the sums in registers).
+struct PartSums {
+  __m512i h = _mm512_setzero_si512(), m = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+};
+
+// a += the 64 weights of row wr from kk (read as unsigned) times the parts of x there; the load
+// also asks for the same bytes `ahead` bytes further on (0: none).
+KVGRAPH_VNNI inline __attribute__((always_inline)) void dot_step(PartSums& a, const SplitRow& x, const int8_t* wr,
+                                                                 int64_t kk, int64_t ahead) {
+  const __mmask64 mask = x.k - kk >= 64 ? ~__mmask64{0} : (__mmask64{1} << (x.k - kk)) - 1;
+  const int8_t* xp = x.parts.data() + kk;
+  // lanes past k read as 0 ^ 0x80 = 128, times the parts' zero padding
+  const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr + kk), _mm512_set1_epi8(static_cast<char>(0x80)));
+  if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(wr + kk + ahead), _MM_HINT_T0);
+  a.h = _mm512_dpbusd_epi32(a.h, wv, _mm512_loadu_si512(xp));
+  a.m = _mm512_dpbusd_epi32(a.m, wv, _mm512_loadu_si512(xp + x.kp));
+  a.l = _mm512_dpbusd_epi32(a.l, wv, _mm512_loadu_si512(xp + 2 * x.kp));
+}
+
+// out[row] from the row's sums: x . w[row] exactly (in double), times x's and the row's scales.
+template <typename out_t>
+KVGRAPH_VNNI inline __attribute__((always_inline)) void finish_row(const SplitRow& x, const PartSums& a, int64_t row,
+                                                                   const float* s, const float* bias, out_t* out) {
+  static_assert(kParts == 3, "PartSums holds three parts");
+  double total = static_cast<double>(_mm512_reduce_add_epi32(a.l)) - x.sums[2];
+  total = total / kRadix + (_mm512_reduce_add_epi32(a.m) - x.sums[1]);
+  total = total / kRadix + (_mm512_reduce_add_epi32(a.h) - x.sums[0]);
+  const float v = static_cast<float>(total) * x.sq * s[row] + (bias != nullptr ? bias[row] : 0.0f);
+  out[row] = static_cast<out_t>(v);
+}
+
+// One weight row, read front to back: two sets of sums (even and odd 64-weight steps), so that no
+// VPDPBUSD waits for the one before it.
+template <typename out_t>
+KVGRAPH_VNNI void matvec_row(const SplitRow& x, const int8_t* w, int64_t row, int64_t n, const float* s,
+                             const float* bias, out_t* out) {
+  const int64_t ahead = row + kPrefetchRows < n ? kPrefetchRows * x.k : 0;
+  const int8_t* wr = w + row * x.k;
+  PartSums a, b;
+  int64_t kk = 0;
+  for (; kk + 128 <= x.kp; kk += 128) {
+    dot_step(a, x, wr, kk, ahead);
+    dot_step(b, x, wr, kk + 64, ahead);
   }
-  for (int r = 0; r < R; ++r) {
-    double total = 0.0;
-    for (int p = kParts - 1; p >= 0; --p) total = total / kRadix + (_mm512_reduce_add_epi32(acc[r][p]) - x.sums[p]);
-    const float v = static_cast<float>(total) * x.sq * s[row + r] + (bias != nullptr ? bias[row + r] : 0.0f);
-    out[row + r] = static_cast<out_t>(v);
-  }
+  if (kk < x.kp) dot_step(a, x, wr, kk, ahead);
+  a.h = _mm512_add_epi32(a.h, b.h), a.m = _mm512_add_epi32(a.m, b.m), a.l = _mm512_add_epi32(a.l, b.l);
+  finish_row(x, a, row, s, bias, out);
 }
 #endif
 
@@ -189,11 +211,8 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* pb = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   auto run = [&](auto* out) {
     using out_t = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, (n + kMatvecBlock - 1) / kMatvecBlock, 16, [&](int64_t first, int64_t last) {
-      int64_t row = first * kMatvecBlock;
-      const int64_t end = std::min(n, last * kMatvecBlock);
-      for (; row + kMatvecBlock <= end; row += kMatvecBlock) matvec_block<kMatvecBlock, out_t>(split, w, row, n, s, pb, out);
-      for (; row < end; ++row) matvec_block<1, out_t>(split, w, row, n, s, pb, out);
+    at::parallel_for(0, n, kMatvecGrain, [&](int64_t row, int64_t end) {
+      for (; row < end; ++row) matvec_row<out_t>(split, w, row, n, s, pb, out);
     });
   };
   if (x.scalar_type() == at::kBFloat16) {
