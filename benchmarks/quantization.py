@@ -5,9 +5,11 @@
 Variants (``--variants``): ``fp32`` (the preset as built), ``bf16`` (the activation dtype of the
 int8 model, unquantized: what quantization alone changes), ``int8`` (``quantization=
 "int8-weight-only"``) and ``int8+lm_head`` (``quantize_lm_head=True`` too); on request, ``int8-unfrozen``
-and ``int8+lm_head-unfrozen`` (``freeze_weights=False``: weights as graph inputs, so the graphs are
-precompiled). Every variant is its own ``kvgraph.LLM`` of the same seeded weights, compiled with
-Inductor and frozen weights unless named otherwise, and warmed up
+(``freeze_weights=False``: weights as graph inputs, so the graphs are precompiled) and
+``int8+lm_head-frozen`` (``freeze_weights=True``). Every variant is its own ``kvgraph.LLM`` of the
+same seeded weights, compiled with Inductor, its weights frozen or not as the engine decides by
+default (``kvgraph.engine.config.resolve_freeze_weights``: fp32 and ``int8+lm_head`` unfrozen, the
+others frozen) unless named otherwise, and warmed up
 before anything is timed (``LLM.warmup``: both graphs, ``T > 1`` and ``T == 1``, compiled; its
 seconds are reported as ``warmup_s``, not timed).
 
@@ -47,10 +49,11 @@ VARIANTS = {
     "bf16": {"dtype": torch.bfloat16},
     "int8": {"dtype": torch.bfloat16, "quantization": "int8-weight-only"},
     "int8+lm_head": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True},
-    # Unfrozen: the weights are graph inputs, so the graphs are precompiled (no Dynamo frame per step).
+    # Against the default: unfrozen weights are graph inputs, so the graphs are precompiled (no Dynamo
+    # frame per step); frozen ones are constants folded into the graph.
     "int8-unfrozen": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "freeze_weights": False},
-    "int8+lm_head-unfrozen": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True,
-                              "freeze_weights": False},
+    "int8+lm_head-frozen": {"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True,
+                            "freeze_weights": True},
 }
 WORKLOADS = ("decode-heavy", "mixed")
 PROMPT_TOKENS = 32

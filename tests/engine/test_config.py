@@ -59,8 +59,16 @@ def test_freeze_weights_auto(fields, dtype, device, frozen):
     assert resolve_freeze_weights(config, dtype, torch.device(device)) is frozen
 
 
-def test_quantized_weights_are_frozen_by_default():
+@pytest.mark.parametrize("lm_head, frozen", [
+    (False, True),  # the vocabulary projection stays an Inductor bf16 linear, packed when frozen
+    (True, False),  # every linear is kvgraph's int8 op: unfrozen, so the graphs are precompiled
+])
+def test_quantized_weights_are_frozen_unless_every_linear_is_quantized(lm_head, frozen):
     from kvgraph.engine.config import resolve_freeze_weights
 
-    config = EngineConfig(device="cpu", dtype=torch.bfloat16, quantization="int8-weight-only")
-    assert resolve_freeze_weights(config, torch.float32, torch.device("cpu")) is True
+    config = EngineConfig(device="cpu", dtype=torch.bfloat16, quantization="int8-weight-only",
+                          quantize_lm_head=lm_head)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve_freeze_weights(config, dtype, torch.device("cpu")) is frozen
+    assert resolve_freeze_weights(dataclasses.replace(config, freeze_weights=not frozen), torch.bfloat16,
+                                  torch.device("cpu")) is not frozen

@@ -171,6 +171,28 @@ def test_the_engine_runs_what_the_quantized_module_computes(int8_llm, eager_gree
     assert agreement(done[0].token_ids, eager_greedy(int8_llm.model, prompt, NEW_TOKENS)) >= NEW_TOKENS // 2
 
 
+@pytest.mark.slow
+def test_int8_with_the_lm_head_quantized_is_precompiled_and_a_second_engine_loads_it(tmp_path, monkeypatch):
+    """Every linear is kvgraph's int8 op, so the weights stay graph inputs (unfrozen by default) and
+    a second engine of the same settings loads both graphs whole, with the same tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    settings = dict(dtype=torch.bfloat16, quantization=SCHEME, quantize_lm_head=True, max_batch_size=4,
+                    max_seq_len=64, progress=False)
+    prompts = [token_stream(8, seed) for seed in range(2)]
+    tokens = []
+    for note in ("2 graphs compiled and written to precompiled files", "2 graphs loaded whole from precompiled files"):
+        llm = kvgraph.LLM("llama-tiny", **settings)
+        try:
+            llm.warmup()
+            assert llm.startup_note().startswith(note)
+            done = llm.generate(prompts, kvgraph.SamplingParams(max_new_tokens=6, ignore_eos=True))
+            assert llm.stats()["recompiles"] == 0
+            tokens.append([c.token_ids for c in done])
+        finally:
+            llm.close()
+    assert tokens[0] == tokens[1]
+
+
 # -- Inductor: frozen weights, no recompiles, the C++ attention kernel --
 @pytest.mark.slow
 def test_inductor_freezes_the_int8_weights_without_recompiles_on_the_cpp_kernel(monkeypatch):

@@ -2,6 +2,7 @@
 ranks is not the config's ``tensor_parallel_size``."""
 
 import pytest
+import torch
 
 from kvgraph.engine import EngineConfig, SamplingParams
 from kvgraph.engine.llm_engine import LLMEngine
@@ -60,6 +61,9 @@ def test_a_config_that_is_not_one_is_refused():
     ({"precompile": False}, False),
     ({"compile": "eager"}, False),
     ({"freeze_weights": True}, False),  # frozen weights are constants inside the compiled graph
+    # int8 weights: frozen (no precompile) unless every linear is kvgraph's int8 op
+    ({"dtype": torch.bfloat16, "quantization": "int8-weight-only"}, False),
+    ({"dtype": torch.bfloat16, "quantization": "int8-weight-only", "quantize_lm_head": True}, True),
 ])
 def test_precompile_applies_with_inductor_unfrozen_weights_and_one_rank(fields, applies):
     config = EngineConfig(max_batch_size=2, max_seq_len=32, progress=False, device="cpu", **fields)
