@@ -25,16 +25,16 @@ def test_greedy_takes_the_first_of_tied_maxima_and_a_nan():
     assert out.tokens.tolist() == [7, 123, 0] == torch.argmax(logits, dim=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_greedy_tokens_with_and_without_the_cpp_kernel(monkeypatch, dtype):
-    """float32 on the CPU goes to kvgraph's argmax_rows where it builds, the rest to torch.max:
-    the same tokens either way."""
+    """float32, bfloat16 and float16 on the CPU go to kvgraph's argmax_rows where it builds (the
+    half types widened exactly), float64 to torch.max: the same tokens either way, ties included."""
     logits = _logits(rows=9, vocab=1000).to(dtype)
     logits[2, [10, 600]] = 50.0
     logits[4, 77] = float("nan")
     want = logits.max(dim=-1).indices
     assert torch.equal(greedy_tokens(logits), want)
-    if dtype is torch.float32:
+    if dtype is not torch.float64:
         from kvgraph.ops import cpp
 
         assert sampling._argmax_rows == [cpp.argmax_kernel()]  # looked up once, the C++ op where it builds
