@@ -134,18 +134,20 @@ class EngineConfig:
 
 def resolve_freeze_weights(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of ``dtype`` on ``device`` is compiled frozen: ``config.freeze_weights``, or
-    when that is ``None``, unless kvgraph runs every linear layer itself: a float32 model on the CPU
+    when that is ``None``, unless kvgraph runs every linear layer itself on the CPU: a float32 model
     with ``packed_linears`` and no weight quantization, or weight quantization with the vocabulary
     projection quantized too (``quantize_lm_head``: every linear is ``kvgraph::int8_weight_linear``).
     There, frozen and unfrozen run at the same speed (``benchmarks/engine_ab.py --variants
-    frozen,unfrozen``; ``benchmarks/quantization.py`` with its ``-unfrozen`` variants), and only
-    unfrozen graphs are cached whole by AOTAutograd and precompiled, which makes a second start of
-    the int8 ``llama-56m`` 0.4 s instead of 19 s."""
+    frozen,unfrozen``; ``benchmarks/quantization.py --variants int8+lm_head,int8+lm_head-frozen``),
+    and only unfrozen graphs are cached whole by AOTAutograd and precompiled, which makes a second
+    start of the int8 ``llama-56m`` 0.4 s instead of 19 s."""
     if config.freeze_weights is not None:
         return config.freeze_weights
+    if device.type != "cpu":
+        return True
     if config.quantization is not None:
         return not config.quantize_lm_head
-    return not (device.type == "cpu" and dtype == torch.float32 and config.packed_linears)
+    return not (dtype == torch.float32 and config.packed_linears)
 
 
 def check_flags(**flags: object) -> None:

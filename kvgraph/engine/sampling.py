@@ -230,12 +230,12 @@ _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widened to fl
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``int64 [B]``: each row's first largest logit (a NaN counted as the largest), on the logits'
-    device. On the CPU with float32, bfloat16 or float16 logits, kvgraph's C++ ``argmax_rows``
-    (2.7-2.9x ``torch.max(dim=-1)`` at 32-64 rows of 32000: it finds the maximum, then its first
-    lane, both vectorized); bfloat16 and float16 logits are widened to float32 first, which is exact,
-    and the two take 10 vs 30 us at 1 x 32000 bfloat16 and 0.21 vs 0.86 ms at 32 x 32000 against
-    ``torch.max`` on them; elsewhere ``max(dim).indices``, the same answer at a
-    third of ``torch.argmax``'s time on the CPU (0.3 vs 0.86 ms for 32 x 32000)."""
+    device. On the CPU with float32, bfloat16 or float16 logits, kvgraph's C++ ``argmax_rows``: it
+    finds the maximum, then its first lane, both vectorized (2.7-2.9x ``torch.max(dim=-1)`` on
+    float32 at 32-64 rows of 32000). bfloat16 and float16 logits are widened to float32 for it,
+    exactly: 10 vs 30 us for ``torch.max`` on 1 x 32000 bfloat16, 0.21 vs 0.86 ms on 32 x 32000.
+    Elsewhere ``max(dim).indices``, the same answer at a third of ``torch.argmax``'s time on the CPU
+    (0.3 vs 0.86 ms for 32 x 32000)."""
     if (logits.device.type == "cpu" and logits.dtype in _ARGMAX_DTYPES and logits.dim() == 2
             and logits.shape[1] > 0):
         if not _argmax_rows:

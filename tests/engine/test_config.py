@@ -72,3 +72,4 @@ def test_quantized_weights_are_frozen_unless_every_linear_is_quantized(lm_head, 
         assert resolve_freeze_weights(config, dtype, torch.device("cpu")) is frozen
     assert resolve_freeze_weights(dataclasses.replace(config, freeze_weights=not frozen), torch.bfloat16,
                                   torch.device("cpu")) is not frozen
+    assert resolve_freeze_weights(config, torch.bfloat16, torch.device("cuda")) is True  # measured on the CPU only
