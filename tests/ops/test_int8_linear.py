@@ -74,7 +74,7 @@ needs_matvec = pytest.mark.skipif(Q.matvec_kernel() is None, reason="needs the m
 
 
 @needs_matvec
-@pytest.mark.parametrize("k", [32, 100, 1408])
+@pytest.mark.parametrize("k", [32, 100, 192, 200, 1408])  # 64-weight steps: a tail only, 1 + tail, 3, 3 + tail, 22
 @pytest.mark.parametrize("out", [1, 5, 70, 130])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_matvec_kernel_computes_the_dequantized_product(k, out, dtype):
