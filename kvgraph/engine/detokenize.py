@@ -3,6 +3,8 @@ that does not grow with the output's length."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 INCOMPLETE = "\ufffd"  # what a decoder shows for a UTF-8 sequence cut short
 
 
@@ -21,17 +23,40 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.prefix = 0
         self.read = 0
 
     def delta(self, ids: list[int], final: bool = False) -> str:
         """The characters ``ids`` (all tokens so far) adds to what earlier calls returned."""
-        decode = self.tokenizer.decode
-        before = decode(ids[self.prefix : self.read], skip_special_tokens=True)
-        after = decode(ids[self.prefix :], skip_special_tokens=True)
+        decode = self.decode
+        before = decode(ids[self.prefix : self.read])
+        after = decode(ids[self.prefix :])
         if len(after) <= len(before) or (after.endswith(INCOMPLETE) and not final):
             if final:
                 self.prefix = self.read = len(ids)
             return ""
         self.prefix, self.read = self.read, len(ids)
         return after[len(before) :]
+
+
+def text_decoder(tokenizer: object) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, as the same call of the Rust
+    ``tokenizers.Tokenizer`` where that is all the Hugging Face tokenizer's ``decode`` does: a fast
+    tokenizer whose ``decode`` and ``_decode`` are the library's own and that cleans up no spaces.
+    That call takes about 0.8 us on a few tokens against 2.8 us through the Python wrapper, and a
+    streamed token makes two of them."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        try:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        except ImportError:
+            Tokenizer = None
+        if (Tokenizer is not None and isinstance(backend, Tokenizer) and isinstance(tokenizer, PreTrainedTokenizerFast)
+                and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+                and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    decode = tokenizer.decode
+    return lambda ids: decode(ids, skip_special_tokens=True)

@@ -60,3 +60,34 @@ def test_each_token_decodes_a_window_of_constant_size():
     ids = [1, 2, 3, 4] * 50
     _deltas(tok, ids)
     assert max(tok.calls) <= 2
+
+
+def test_a_fast_tokenizer_is_decoded_by_its_rust_tokenizer_with_the_same_text(tokenizer):
+    """The Hugging Face wrapper is skipped where all it does is call ``tokenizers``: same deltas."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from kvgraph.engine.detokenize import text_decoder
+
+    decode = text_decoder(tokenizer)
+    assert decode.__code__.co_freevars == ("backend",) and isinstance(tokenizer._tokenizer, Tokenizer)
+    rng = random.Random(0)
+    specials = list(tokenizer.all_special_ids)
+    for _ in range(20):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
+               for _ in range(rng.randrange(1, 40))]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+        slow = IncrementalDetokenizer(tokenizer)
+        slow.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        fast = IncrementalDetokenizer(tokenizer)
+        assert [fast.delta(ids[: i + 1], i == len(ids) - 1) for i in range(len(ids))] == [
+            slow.delta(ids[: i + 1], i == len(ids) - 1) for i in range(len(ids))]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monkeypatch):
+    from kvgraph.engine.detokenize import text_decoder
+
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert text_decoder(tokenizer).__code__.co_freevars == ("decode",)
+    assert text_decoder(_SentencePieceLike()).__code__.co_freevars == ("decode",)

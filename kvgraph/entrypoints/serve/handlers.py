@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from kvgraph.engine.prompts import Prompt, RequestChecks, check_token_ids
 from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.chat import chat_prompt
 from kvgraph.entrypoints.serve.choices import PromptEcho, best_first, completion_choice, prompt_echo
+from kvgraph.entrypoints.serve.chunk_json import ChatChunkJSON, CompletionChunkJSON
 from kvgraph.entrypoints.serve.engine_client import EngineClient
 from kvgraph.entrypoints.serve.errors import (
     APIError,
@@ -64,7 +66,8 @@ class ServeState:
     model_name: str
 
 
-def _state(request: Request) -> ServeState:
+async def _state(request: Request) -> ServeState:
+    # async: FastAPI runs a plain function dependency in its thread pool, a thread hop per request
     return request.app.state.serve
 
 
@@ -227,33 +230,43 @@ async def _completion_chunks(
     echo: PromptEcho | None,
 ) -> AsyncIterator[CompletionResponse]:
     """Each sample's pieces as chunks of its choice index; an echoed prompt comes first, each
-    sample's own chunk (alone when ``max_tokens`` is 0)."""
+    sample's own chunk (alone when ``max_tokens`` is 0). A chunk of text alone comes as its JSON."""
+    created = int(time.time())
     if echo is not None:
         for index in range(len(samples.gens)):
             first = echo.prompt_choice(renderers[index])
             first.index = index
-            yield CompletionResponse(id=rid, model=model, choices=[first])
+            yield CompletionResponse(id=rid, model=model, created=created, choices=[first])
+    text_json = CompletionChunkJSON(rid, model, created)
     async for index, piece in samples.pieces():
         if echo is not None and not echo.max_tokens:
             continue  # the one token an echo of the prompt alone generates is dropped
+        if echo is None and renderers[index] is None:
+            yield text_json(index, piece.text, piece.finish_reason)
+            continue
         choice = completion_choice(piece, renderers[index])
         choice.index = index
-        yield CompletionResponse(id=rid, model=model, choices=[choice])
+        yield CompletionResponse(id=rid, model=model, created=created, choices=[choice])
     if usage:
-        yield CompletionResponse(id=rid, model=model, choices=[], usage=_usage(samples, echo))
+        yield CompletionResponse(id=rid, model=model, created=created, choices=[], usage=_usage(samples, echo))
 
 
 async def _chat_chunks(
     samples: Samples, rid: str, model: str, usage: bool, renderers: list[LogprobsRenderer | None],
 ) -> AsyncIterator[ChatCompletionChunk]:
+    created = int(time.time())
     for index in range(len(samples.gens)):
-        yield ChatCompletionChunk(id=rid, model=model, choices=[
+        yield ChatCompletionChunk(id=rid, model=model, created=created, choices=[
             ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    text_json = ChatChunkJSON(rid, model, created)
     async for index, piece in samples.pieces():
-        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
         renderer = renderers[index]
+        if renderer is None:
+            yield text_json(index, piece.text, piece.finish_reason)
+            continue
+        delta = ChatDelta(content=piece.text) if piece.text else ChatDelta()
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=piece.finish_reason,
-                                 logprobs=renderer.chat(piece.events) if renderer else None)
-        yield ChatCompletionChunk(id=rid, model=model, choices=[choice])
+                                 logprobs=renderer.chat(piece.events))
+        yield ChatCompletionChunk(id=rid, model=model, created=created, choices=[choice])
     if usage:
-        yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(samples))
+        yield ChatCompletionChunk(id=rid, model=model, created=created, choices=[], usage=_usage(samples))

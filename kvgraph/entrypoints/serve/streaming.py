@@ -73,11 +73,12 @@ class Generation:
         return whole
 
 
-async def server_sent_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """Each chunk as an SSE ``data:`` block, an engine failure as an error block, then ``[DONE]``."""
+async def server_sent_events(chunks: AsyncIterator[BaseModel | str]) -> AsyncIterator[str]:
+    """Each chunk (a model, or its JSON already) as an SSE ``data:`` block, an engine failure as an
+    error block, then ``[DONE]``."""
     try:
         async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
+            yield f"data: {chunk if isinstance(chunk, str) else chunk.model_dump_json()}\n\n"
     except EngineFailure as e:
         yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
     yield "data: [DONE]\n\n"
