@@ -108,6 +108,42 @@ def test_the_matvec_kernel_carries_a_nan_or_an_infinity(bad):
 
 
 @needs_matvec
+def test_the_matvec_kernel_reuses_a_split_only_for_the_same_bytes():
+    """A call whose row has the previous call's bytes reuses its split (q, k and v read one x): the
+    same row again, a row changed in place at the same address, a NaN put in and taken out, and
+    float32 bytes after bfloat16 ones of the same size all give the dequantized product."""
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randint(-127, 128, (n, 512), dtype=torch.int8, generator=g) for n in (64, 32)]
+    scales = [torch.rand(n, generator=g) / 127 + 1e-3 for n in (64, 32)]
+    tol = {"rtol": 1e-6, "atol": 1e-5}
+
+    def check(x, i=0):
+        got = Q.int8_weight_linear(x, weights[i], scales[i])
+        torch.testing.assert_close(got, exact(x, weights[i], scales[i]), equal_nan=True, **tol)
+        return got
+
+    x = torch.randn(1, 512, generator=g)
+    first = check(x)
+    check(x, 1)  # the same x, another weight: the split reused
+    torch.testing.assert_close(check(x.clone()), first, rtol=0, atol=0)  # same bytes, another tensor
+    x[0, 100] += 1.0  # changed in place: same address, new bytes
+    check(x)
+    x[0, 7] = float("nan")
+    assert check(x).isnan().all()
+    x[0, 7] = 0.5
+    assert check(x).isfinite().all()
+    half = torch.randn(1, 1024, generator=g).to(torch.bfloat16)
+    wide = half.view(torch.float32)  # the bf16 row's 2048 bytes read as 512 float32 values
+    wide = torch.where(wide.isfinite(), wide, torch.zeros_like(wide)).clamp(-1e3, 1e3)
+    Q.int8_weight_linear(wide.view(torch.bfloat16), torch.randint(-127, 128, (8, 1024), dtype=torch.int8),
+                         torch.rand(8) / 127 + 1e-3)
+    check(wide)  # float32 bytes equal to the last bfloat16 call's: split again
+    tol = {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(Q.int8_weight_linear(half, weights[0].repeat(1, 2), scales[0]),
+                               exact(half, weights[0].repeat(1, 2), scales[0]), **tol)
+
+
+@needs_matvec
 def test_the_matvec_kernel_names_a_wrong_argument():
     kernel = Q.matvec_kernel()
     weight, scales = torch.zeros(70, 32, dtype=torch.int8), torch.ones(70)

@@ -92,6 +92,9 @@ constexpr int64_t kMatvecGrain = 64;  // rows per share of the threads' work, at
 constexpr int64_t kPrefetchRows = 8;  // weight rows ahead each load asks for (0-16 measured alike on Zen 4)
 
 // x split into its parts, padded with zeros to a multiple of 64 values; buffers reused across calls.
+// The split is a function of x's bytes alone, so a call whose x has the bytes of the previous
+// call's (q, k and v, or gate and up, of one layer read the same x) reuses it: a memcmp of 1-3 KB
+// instead of about 2.5 us of scalar work at K = 512.
 struct SplitRow {
   int64_t k = 0, kp = 0;
   std::vector<int8_t> parts;  // [kParts, kp]
@@ -99,9 +102,18 @@ struct SplitRow {
   bool finite = true;         // every value finite; else the parts are not made (see int8_matvec)
   int32_t sums[kParts] = {};  // 128 * each part's sum: what reading W as W + 128 adds
   std::vector<double> rest;   // [2, k]: what the parts so far leave of x, and split's scratch
+  std::vector<unsigned char> source;  // the bytes of the x split last, then sizeof(T) (empty: none)
 
   template <typename T>
   void split(const T* x, int64_t k_) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(x);
+    const size_t size = static_cast<size_t>(k_) * sizeof(T);
+    if (k_ == k && source.size() == size + 1 && source[size] == sizeof(T) &&
+        std::memcmp(source.data(), bytes, size) == 0) {
+      return;
+    }
+    source.assign(bytes, bytes + size);
+    source.push_back(static_cast<unsigned char>(sizeof(T)));  // bf16 and fp32 bytes never compare equal
     k = k_, kp = (k_ + 63) / 64 * 64;
     parts.assign(kParts * kp, 0);
     rest.resize(2 * k);
