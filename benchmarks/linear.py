@@ -8,7 +8,8 @@ comparison, a prefill-sized 512. Median milliseconds of each, their ratio, and t
 difference between the two outputs, as JSON. With ``--model``, also every linear layer of that
 preset in module order, as a decode step runs them (each weight read from memory once a step, not
 from a warm cache; each way repeated back to back, as steps follow each other): milliseconds a
-step and GFLOP/s at 1, 8, 16, 32, 64, 128 and 512 rows, each way, the ways taking turns.
+step and GFLOP/s at 1, 8, 16, 32, 64, 128, 512, 1024 and 2048 rows, each way, the ways taking
+turns (past ``max_packed_rows`` rows, 512 on an Intel CPU, ``kvgraph::linear`` is ``F.linear``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-ROWS = (1, 8, 16, 32, 64, 128, 512)  # of the per-layer timing (--model)
+ROWS = (1, 8, 16, 32, 64, 128, 512, 1024, 2048)  # of the per-layer timing (--model)
 
 
 def model_layers(name: str, repeats: int) -> list[dict]:
@@ -99,7 +100,7 @@ def main() -> None:
             })
     print(json.dumps({
         "vocab": args.vocab, "hidden": args.hidden, "threads": torch.get_num_threads(),
-        "packed_with": kind, "pack_rows": packed.PACK_ROWS, "max_packed_rows": packed.MAX_PACKED_ROWS, "results": results,
+        "packed_with": kind, "pack_rows": packed.PACK_ROWS, "max_packed_rows": packed.max_packed_rows(), "cpu_vendor": packed.cpu_vendor(), "results": results,
         **({"model": args.model, "model_layers": model_layers(args.model, args.repeats)} if args.model else {}),
     }, indent=2))
 

@@ -50,7 +50,7 @@ def call_cpu_kernel_directly(gm: torch.fx.GraphModule) -> int:
     """Point every call of :func:`redirectable_calls` in ``gm`` at its C++ kernel, in place
     (``kvgraph_cpu::ragged_attention``, ``kvgraph_cpu::packed_linear``); returns how many calls moved."""
     from kvgraph.ops import cpp
-    from kvgraph.ops.linear import MAX_PACKED_ROWS, PACK_ROWS
+    from kvgraph.ops.linear import PACK_ROWS, max_packed_rows
 
     calls = redirectable_calls(gm)
     for node in calls:
@@ -58,7 +58,7 @@ def call_cpu_kernel_directly(gm: torch.fx.GraphModule) -> int:
             x, weight, *rest = node.args
             bias = rest[0] if rest else node.kwargs.get("bias")
             node.target = cpp.packed_linear_kernel()
-            node.args, node.kwargs = (x, weight, bias, MAX_PACKED_ROWS, PACK_ROWS), {}
+            node.args, node.kwargs = (x, weight, bias, max_packed_rows(), PACK_ROWS), {}
         else:
             node.target = cpp.direct_kernel()
     if calls:

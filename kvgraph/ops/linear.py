@@ -23,7 +23,7 @@ again when the weight changes in place: its version counter moves):
 Inductor packs linear layers only for static row counts (MKL) or through oneDNN (dynamic ones);
 kvgraph's token count is dynamic, so the lowering hands every float32 CPU linear to this op
 (:mod:`kvgraph.passes.packed_linears`). Other devices and dtypes, and more rows than
-:data:`MAX_PACKED_ROWS`, run ``F.linear``.
+:func:`max_packed_rows`, run ``F.linear``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from kvgraph.ops.fake_linear import linear_fake
 
-MAX_PACKED_ROWS = 512  # past this (a prefill-sized GEMM) F.linear is as fast
+MAX_PACKED_ROWS = 512  # past this (a prefill-sized GEMM) F.linear is as fast on an Intel CPU
+NO_ROW_LIMIT = 1 << 62  # the panel GEMM on other CPUs: every row count (see max_packed_rows)
 PACK_ROWS = 64  # MKL packs for this many rows: the best layout for decode batches of 1..64
 PACKED_DTYPES = (torch.float32,)  # oneDNN's bf16 linear needs AVX512-BF16 or AMX
 CHECK_ROWS = 3  # rows of the one-off comparison of a new MKL pack with F.linear
@@ -106,6 +107,40 @@ def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``, ...);
+    ``None`` where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+_max_rows: int | None = None
+
+
+def max_packed_rows() -> int:
+    """The most rows ``kvgraph_cpu::packed_linear`` multiplies itself; past them it calls ``F.linear``.
+
+    :data:`MAX_PACKED_ROWS` (512) for MKL's packed GEMM, and for kvgraph's panel GEMM on an Intel
+    CPU: there ``F.linear`` (MKL's own GEMM) is as fast past 512 rows (a 2-core Xeon). On any other
+    CPU the panel GEMM takes every row count: on a 2-core AMD EPYC (Zen 4), where MKL does not run its
+    AVX-512 code, it multiplied ``llama-56m``'s 56 layer weights 1.12-1.44x faster than ``F.linear``
+    at 256-2048 rows (198-209 against 138-177 GFLOP/s; ``benchmarks/linear.py --model llama-56m``).
+    Decided once per process."""
+    global _max_rows
+    if _max_rows is None:
+        from kvgraph.ops import cpp
+
+        panels = cpp.packed_linear_gemm() == "panels"
+        _max_rows = NO_ROW_LIMIT if panels and cpu_vendor() not in (None, "GenuineIntel") else MAX_PACKED_ROWS
+    return _max_rows
+
+
 _CPP_UNKNOWN = object()
 _cpp_linear: object = _CPP_UNKNOWN  # kvgraph_cpu::packed_linear, None without kvgraph's C++ library
 
@@ -126,7 +161,7 @@ def cpp_kernel():
 def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     kernel = cpp_kernel()
     if kernel is not None:
-        return kernel(x, weight, bias, MAX_PACKED_ROWS, PACK_ROWS)
+        return kernel(x, weight, bias, max_packed_rows(), PACK_ROWS)
     return python_linear(x, weight, bias)
 
 

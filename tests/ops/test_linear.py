@@ -32,7 +32,7 @@ def test_with_the_cpp_library_the_op_calls_its_kernel(monkeypatch):
     x, w = torch.randn(3, 16), torch.randn(11, 16)
     with torch.inference_mode():
         out = L.linear(x, w)
-    assert calls == [(L.MAX_PACKED_ROWS, L.PACK_ROWS)]
+    assert calls == [(L.max_packed_rows(), L.PACK_ROWS)]
     torch.testing.assert_close(out, F.linear(x, w) + 1)
     assert not hasattr(w, L._ATTR)  # nothing packed in Python
 
@@ -147,3 +147,31 @@ def test_empty_and_prefill_sized_inputs_run_f_linear(rows):
     with torch.inference_mode():
         assert torch.equal(L.linear(x, w), F.linear(x, w))
         assert not hasattr(w, L._ATTR)  # nothing was packed
+
+
+@pytest.mark.parametrize(("gemm", "vendor", "rows"), [
+    ("panels", "GenuineIntel", L.MAX_PACKED_ROWS),  # MKL's GEMM behind F.linear is as fast past 512 rows
+    ("panels", "AuthenticAMD", L.NO_ROW_LIMIT),  # the panel GEMM stayed faster up to 2048 rows
+    ("panels", None, L.MAX_PACKED_ROWS),  # unknown CPU: as measured on the Xeon
+    ("mkl", "AuthenticAMD", L.MAX_PACKED_ROWS),  # MKL's packed GEMM: its own limit
+    (None, "AuthenticAMD", L.MAX_PACKED_ROWS),
+])
+def test_the_packed_row_limit_follows_the_gemm_and_the_cpu(monkeypatch, gemm, vendor, rows):
+    from kvgraph.ops import cpp
+
+    monkeypatch.setattr(cpp, "packed_linear_gemm", lambda: gemm)
+    monkeypatch.setattr(L, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(L, "_max_rows", None)
+    assert L.max_packed_rows() == rows
+    monkeypatch.setattr(L, "cpu_vendor", lambda: "something else")
+    assert L.max_packed_rows() == rows  # decided once per process
+
+
+def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
+    vendor = L.cpu_vendor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            expected = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+    except OSError:
+        expected = None
+    assert vendor == expected

@@ -100,6 +100,20 @@ def test_a_non_contiguous_weight_is_packed_as_its_values(kernel):
         torch.testing.assert_close(call(kernel, x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [L.MAX_PACKED_ROWS + 1, 1100, 2048])
+def test_without_a_row_limit_prefill_sized_inputs_are_multiplied_too(kernel, rows):
+    """Past 512 rows (the limit on Intel CPUs) with no limit, as on other CPUs: the packed product,
+    equal to F.linear to float32 rounding."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(300, 512, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(rows, 512, generator=g)
+    with torch.inference_mode():
+        got = kernel(x, w, b, L.NO_ROW_LIMIT, L.PACK_ROWS)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    if cpp.packed_linear_gemm() == "panels":
+        assert not torch.equal(got, F.linear(x, w, b))  # not F.linear's own product (K = 512: the sums differ)
+
+
 @pytest.mark.parametrize("rows", [0, L.MAX_PACKED_ROWS + 1])
 def test_empty_and_prefill_sized_inputs_run_f_linear(kernel, rows):
     x, w = torch.randn(rows, 16), torch.randn(11, 16)
