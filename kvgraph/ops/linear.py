@@ -129,9 +129,9 @@ def max_packed_rows() -> int:
     :data:`MAX_PACKED_ROWS` (512) for MKL's packed GEMM, and for kvgraph's panel GEMM on an Intel
     CPU: there ``F.linear`` (MKL's own GEMM) is as fast past 512 rows (a 2-core Xeon). On any other
     CPU the panel GEMM takes every row count: on a 2-core AMD EPYC (Zen 4), where MKL does not run its
-    AVX-512 code, it multiplied ``llama-56m``'s 56 layer weights 1.12-1.44x faster than ``F.linear``
-    at 256-2048 rows (198-209 against 138-177 GFLOP/s; ``benchmarks/linear.py --model llama-56m``).
-    Decided once per process."""
+    AVX-512 code, it multiplied ``llama-56m``'s 57 linear layers 1.12-1.25x faster than ``F.linear``
+    at 512-2048 rows (183-188 against 146-166 GFLOP/s; ``benchmarks/linear.py --model llama-56m``),
+    and ``mixed`` ran 1.03x faster end to end. Decided once per process."""
     global _max_rows
     if _max_rows is None:
         from kvgraph.ops import cpp
