@@ -91,3 +91,6 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer, monke
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
     assert text_decoder(tokenizer).__code__.co_freevars == ("decode",)
     assert text_decoder(_SentencePieceLike()).__code__.co_freevars == ("decode",)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", False)
+    monkeypatch.setattr(tokenizer, "decode", lambda ids, skip_special_tokens=True: "patched", raising=False)
+    assert text_decoder(tokenizer)([1, 2]) == "patched"  # an instance's own decode is kept
