@@ -112,12 +112,9 @@ def cpu_vendor() -> str | None:
     ``None`` where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
     except OSError:
-        pass
-    return None
+        return None
 
 
 _max_rows: int | None = None

@@ -3,9 +3,9 @@
 Most chunks of a stream carry a piece of text and nothing else: no log-probabilities, no usage.
 Building a ``CompletionResponse`` (or ``ChatCompletionChunk``) and its choice for each, then
 ``model_dump_json``, took about 15 us a chunk under cProfile (a ``benchmarks/serving.py`` load);
-the front end spends 80-95 us of CPU per chunk in all. Here pydantic dumps one chunk of the response once; each text
-chunk is that dict with its choice's index, finish reason and text put in, written by
-``json.dumps`` with pydantic's separators and UTF-8 as it is: the same bytes as
+the front end spends 80-95 us of CPU per chunk in all. Here pydantic dumps one chunk of the
+response once; each text chunk is that dict with its choice's index, finish reason and text put
+in, written by ``json.dumps`` with pydantic's separators and UTF-8 as it is: the same bytes as
 ``model_dump_json`` would write (``tests/entrypoints/serve/test_chunk_json.py``). Every chunk of a
 response carries the same ``created``, as OpenAI's do.
 """

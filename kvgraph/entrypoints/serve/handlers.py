@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from kvgraph.entrypoints.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     Usage,
+    unix_time,
 )
 from kvgraph.entrypoints.serve.samples import Samples, start_samples
 from kvgraph.entrypoints.serve.stop import StopStrings
@@ -231,7 +231,7 @@ async def _completion_chunks(
 ) -> AsyncIterator[CompletionResponse]:
     """Each sample's pieces as chunks of its choice index; an echoed prompt comes first, each
     sample's own chunk (alone when ``max_tokens`` is 0). A chunk of text alone comes as its JSON."""
-    created = int(time.time())
+    created = unix_time()
     if echo is not None:
         for index in range(len(samples.gens)):
             first = echo.prompt_choice(renderers[index])
@@ -254,7 +254,7 @@ async def _completion_chunks(
 async def _chat_chunks(
     samples: Samples, rid: str, model: str, usage: bool, renderers: list[LogprobsRenderer | None],
 ) -> AsyncIterator[ChatCompletionChunk]:
-    created = int(time.time())
+    created = unix_time()
     for index in range(len(samples.gens)):
         yield ChatCompletionChunk(id=rid, model=model, created=created, choices=[
             ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])

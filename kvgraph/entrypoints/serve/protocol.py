@@ -193,7 +193,8 @@ class ChatCompletionRequest(GenerationFields):
 # -- responses --
 
 
-def _now() -> int:
+def unix_time() -> int:
+    """Now, in whole seconds since the epoch: a response's ``created``."""
     return int(time.time())
 
 
@@ -250,7 +251,7 @@ class _Choice(BaseModel):
 
 class _Response(BaseModel):
     id: str
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_time)
     model: str
 
 
@@ -302,7 +303,7 @@ class ChatCompletionChunk(_Response):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_time)
     owned_by: str = "kvgraph"
     max_model_len: int
 
