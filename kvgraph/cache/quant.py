@@ -104,7 +104,10 @@ def scales_shape_problem(blocks_shape: tuple, scales_shape: tuple) -> str | None
 def quantize(x: torch.Tensor, dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` (floating) as ``(q [..., D] dtype, scales [..., D // group] float32)``."""
     xg = x.float().unflatten(-1, (-1, group))  # [..., D // group, group]
-    scales = xg.abs().amax(-1) / QMAX[dtype]
+    amax = xg.abs().amax(-1)
+    # Divided by a tensor, not a Python number: CUDA computes ``tensor / number`` as ``tensor * (1 /
+    # number)``, a bit off IEEE division in some cases, while the kernels (C++, Triton) divide.
+    scales = amax / torch.full_like(amax, QMAX[dtype])
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     y = xg * inv[..., None]
     if dtype == torch.int8:
