@@ -19,7 +19,8 @@ The clients run on the same host as the server and take CPU from it (``client_cp
 vLLM's serving benchmark uses) or ``httpx2`` (the ``openai`` package's). On a 2-core host a
 256-request ``llama-tiny`` load took 0.21-0.27 CPU seconds of ``aiohttp`` clients against 0.55-0.83 s
 of ``httpx2`` ones, and the server's tokens/s was 1.28x as high (median of 4 alternating runs).
-``--threads N`` runs both sides' kernels on ``N`` threads.
+``--threads N`` runs both sides' kernels on ``N`` threads. ``--stream-interval N`` starts the servers
+with it (N tokens per chunk; ``itl_s`` is then the time between chunks).
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def server_run(args, kind: str, prompts: list[list[int]], max_new_tokens: int) -
     flags = ["--model", args.model, "--compile", args.compile, "--max-batch-size", str(args.max_batch_size),
              "--max-seq-len", str(args.max_seq_len), "--no-prefix-caching", *SERVER_FLAGS[kind]]
     flags += ["--threads", str(args.threads)] if args.threads else []
+    flags += ["--stream-interval", str(args.stream_interval)]
     server = ServerProcess(*flags)
     try:
         url = server.wait_ready()
@@ -200,6 +202,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads of every side (default: one per core)")
     p.add_argument("--client", choices=("aiohttp", "httpx2"), default="aiohttp",
                    help="the load generator's HTTP client (default: aiohttp, the leaner on CPU)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the servers' --stream-interval: tokens per streamed chunk (default 1)")
     p.add_argument("--servers", default="process,thread",
                    help="server kinds to measure, comma-separated: process (the engine in its own process, "
                    "the default server), thread (--no-frontend-process) (default: both)")
@@ -220,7 +224,7 @@ def main() -> None:
                for kind in kinds}
     report = {
         "model": args.model, "workload": args.workload, "requests": len(prompts), "max_new_tokens": new,
-        "concurrency": args.concurrency, "client": args.client, "compile": args.compile, "threads": torch.get_num_threads(),
+        "concurrency": args.concurrency, "stream_interval": args.stream_interval, "client": args.client, "compile": args.compile, "threads": torch.get_num_threads(),
         "repeats": args.repeats, "load_average": os.getloadavg(),
         "engine": {"elapsed_s": engine["elapsed_s"], "tokens_per_s": engine_tps},
         "servers": servers,

@@ -46,16 +46,17 @@ class AsyncEngine:
 
     ``checks``: what the handlers check and tokenize requests with; ``metrics``: the server's
     metrics, the engine's figures read from ``llm``; ``pid``: the engine's process (this one);
-    ``exit_reason``: ``None`` (as for ``EngineClient``: the engine thread never ends unasked).
+    ``exit_reason``: ``None`` (as for ``EngineClient``: the engine thread never ends unasked);
+    ``stream_interval``: the tokens each stream hands on together (``StreamTable``).
     """
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, stream_interval: int = 1) -> None:
         self.llm = llm
         self.checks = llm.request_checks()
         self.pid = os.getpid()
         self.metrics = ServeMetrics(llm.stats, self.pid)
         self.exit_reason: str | None = None
-        self._streams = StreamTable(self.metrics)  # touched by the engine thread only
+        self._streams = StreamTable(self.metrics, stream_interval)  # touched by the engine thread only
         self._aborts: deque[tuple[int, str]] = deque()  # (request id, reason), from any thread
         self._inbox: deque[_Arrival] = deque()  # checked requests for the engine thread to queue
         self._wake = threading.Event()

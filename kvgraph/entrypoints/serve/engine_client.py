@@ -64,16 +64,18 @@ class EngineClient:
         metrics: the server's metrics, the engine's figures fetched from the engine process.
         exit_reason: why the engine process ended unasked (``None`` while it runs or once stopped).
         on_exit: called (from the reader thread) once the engine process ended unasked.
+
+    ``stream_interval``: the tokens each stream hands on together (``StreamTable``).
     """
 
     def __init__(self, process: multiprocessing.process.BaseProcess, commands: Connection, events: Connection,
-                 checks: RequestChecks, pid: int, startup_note: str) -> None:
+                 checks: RequestChecks, pid: int, startup_note: str, stream_interval: int = 1) -> None:
         self.checks, self.pid, self.startup_note = checks, pid, startup_note
         self.metrics = ServeMetrics(self.stats, pid)
         self.exit_reason: str | None = None
         self.on_exit: Callable[[], None] | None = None
         self._process, self._commands, self._events = process, commands, events
-        self._streams = StreamTable(self.metrics)
+        self._streams = StreamTable(self.metrics, stream_interval)
         self._ids = itertools.count()  # request ids (the front end's; the engine maps them to its own)
         self._outbox: deque[tuple] = deque()  # commands for the sender thread
         self._wake = threading.Event()
@@ -83,10 +85,11 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read_loop, name="kvgraph-engine-reader", daemon=True)
 
     @classmethod
-    def launch(cls, build: Callable[[], LLM]) -> EngineClient:
+    def launch(cls, build: Callable[[], LLM], stream_interval: int = 1) -> EngineClient:
         """Start the engine process, which runs ``build()`` (picklable: it must return a compiled,
         warm ``LLM``), and wait until it is ready. Raises what ``build`` raised there (an error other
-        than a ``KVGraphError`` as an ``EngineFailure``)."""
+        than a ``KVGraphError`` as an ``EngineFailure``). ``stream_interval``: see ``StreamTable``."""
+        StreamTable.check_interval(stream_interval)  # before the engine process starts
         method = start_method()
         ctx = multiprocessing.get_context(method)
         commands_out, commands_in = ctx.Pipe(duplex=False)
@@ -113,7 +116,7 @@ class EngineClient:
             process.join()
             raise message[1]
         _, checks, pid, note = message
-        return cls(process, commands_in, events_out, checks, pid, note)
+        return cls(process, commands_in, events_out, checks, pid, note, stream_interval)
 
     # -- event loop side --
     def start(self) -> None:

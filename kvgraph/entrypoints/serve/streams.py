@@ -4,6 +4,11 @@ A ``StreamTable`` maps request ids to streams (an asyncio queue each). The side 
 step's tokens (the engine thread, or the reader thread of the engine process's client) hands them
 to ``dispatch``, which records the latency metrics and puts them on their requests' queues with
 one event-loop callback per step. A handler reads a request through its ``RequestHandle``.
+
+With a ``stream_interval`` of N > 1 (``kvgraph serve --stream-interval``, as vLLM's), a stream holds
+its tokens back until N have come, and hands them on together: the handler wakes once and writes one
+chunk for them. The first token goes at once (the time to first token is kept), and so do the last
+one and a failure, after the tokens held before them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Stream:
     last: float | None = None
     detokenizer: IncrementalDetokenizer | None = None
     token_ids: list[int] = field(default_factory=list)
+    held: list[TokenEvent] = field(default_factory=list)  # tokens not handed on yet (``stream_interval``)
 
     def text(self, token_id: int, final: bool) -> str | None:
         """The text ``token_id`` adds (``None`` without a detokenizer)."""
@@ -62,12 +68,21 @@ def _deliver(items: list[tuple[Stream, TokenEvent | EngineFailure]]) -> None:
 
 
 class StreamTable:
-    """The requests being streamed, by id; ``lock`` guards the table (taken by every method)."""
+    """The requests being streamed, by id; ``lock`` guards the table (taken by every method).
+    ``stream_interval``: the tokens a stream hands on together (see the module's docstring)."""
 
-    def __init__(self, metrics: ServeMetrics) -> None:
+    def __init__(self, metrics: ServeMetrics, stream_interval: int = 1) -> None:
         self.metrics = metrics
+        self.stream_interval = self.check_interval(stream_interval)
         self.lock = threading.Lock()
         self._streams: dict[int, Stream] = {}  # request id -> where its tokens go
+
+    @staticmethod
+    def check_interval(stream_interval: int) -> int:
+        """``stream_interval`` if it is an integer >= 1; else ``ValueError`` naming it."""
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        return stream_interval
 
     def ids(self) -> list[int]:
         with self.lock:
@@ -118,14 +133,18 @@ class StreamTable:
                     del self._streams[event.request_id]
                     ended.append(event.request_id)
                     self.metrics.finished.labels("error").inc()
+                    _release(stream, out)
                     out.append((stream, EngineFailure(f"the engine step failed: {event.error}")))
                     continue
-                if stream.last is None:
+                first = stream.last is None
+                if first:
                     self.metrics.ttft.observe(now - stream.arrival)
                 else:
                     self.metrics.itl.observe(now - stream.last)
                 stream.last = now
-                out.append((stream, event))
+                stream.held.append(event)
+                if first or event.finish_reason is not None or len(stream.held) >= self.stream_interval:
+                    _release(stream, out)
                 if event.finish_reason is not None:
                     del self._streams[event.request_id]
                     ended.append(event.request_id)
@@ -142,11 +161,18 @@ class StreamTable:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     ended.append(request_id)
+                    _release(stream, out)
                     out.append((stream, EngineFailure(message)))
         for _ in ended:
             self.metrics.finished.labels("error").inc()
         _send(out)
         return ended
+
+
+def _release(stream: Stream, out: list[tuple[Stream, TokenEvent | EngineFailure]]) -> None:
+    """Move the tokens ``stream`` holds to ``out``, in order."""
+    out.extend((stream, event) for event in stream.held)
+    stream.held.clear()
 
 
 def _send(items: list[tuple[Stream, TokenEvent | EngineFailure]]) -> None:

@@ -65,3 +65,66 @@ def test_a_piece_of_several_tokens_stops_at_a_stop_string_inside_it():
     pieces, tokens, aborted = asyncio.run(scenario())
     assert pieces == [("abc", "stop", [1, 2, 3])]
     assert tokens == 3 and aborted == [(0, "stop")]
+
+
+# -- a stream interval: tokens handed on N at a time --
+
+def _table_scenario(interval: int, steps: list[list[TokenEvent]], failure_after: int | None = None):
+    """Each step's events through a ``StreamTable`` of ``interval``; what the request's queue held
+    after each step (token ids, or "failure"), and the counts of the TTFT and ITL histograms."""
+    from kvgraph.entrypoints.serve.metrics import ServeMetrics
+    from kvgraph.entrypoints.serve.streams import StreamTable
+
+    async def scenario():
+        table = StreamTable(ServeMetrics(dict, 0), stream_interval=interval)
+        stream = Stream(asyncio.get_running_loop())
+        table.add(0, stream)
+        seen = []
+        for i, events in enumerate(steps):
+            table.dispatch(events)
+            if failure_after == i:
+                table.fail([0], "the engine process exited")
+            await asyncio.sleep(0)  # the delivery callback runs
+            got = []
+            while not stream.queue.empty():
+                item = stream.queue.get_nowait()
+                got.append("failure" if isinstance(item, EngineFailure) else item.token_id)
+            seen.append(got)
+        counts = [[s.value for s in h.collect()[0].samples if s.name.endswith("_count")]
+                  for h in (table.metrics.ttft, table.metrics.itl)]
+        return seen, *counts
+
+    return asyncio.run(scenario())
+
+
+def test_an_interval_sends_the_first_token_at_once_then_n_at_a_time_and_the_last_at_once():
+    steps = [[_event(t, "x", "length" if t == 8 else None)] for t in range(1, 9)]
+    seen, ttft, itl = _table_scenario(3, steps)
+    assert seen == [[1], [], [], [2, 3, 4], [], [], [5, 6, 7], [8]]
+    assert ttft == [1] and itl == [7]  # every token counted as it came from the engine
+
+
+def test_an_interval_of_one_sends_every_token_as_it_comes():
+    steps = [[_event(t, "x", "stop" if t == 3 else None)] for t in range(1, 4)]
+    assert _table_scenario(1, steps)[0] == [[1], [2], [3]]
+
+
+def test_a_failure_comes_after_the_tokens_held_before_it():
+    steps = [[_event(t, "x")] for t in range(1, 4)]
+    seen, *_ = _table_scenario(4, steps, failure_after=2)
+    assert seen == [[1], [], [2, 3, "failure"]]
+
+
+def test_a_failed_step_hands_on_the_held_tokens_then_its_error():
+    steps = [[_event(1, "x")], [_event(2, "x")],
+             [TokenEvent(request_id=0, token_id=None, text=None, finish_reason="error", error="RuntimeError: boom")]]
+    assert _table_scenario(5, steps)[0] == [[1], [], [2, "failure"]]
+
+
+@pytest.mark.parametrize("interval", [0, -2, 1.5, True, "4"])
+def test_a_bad_interval_is_refused_naming_it(interval):
+    from kvgraph.entrypoints.serve.metrics import ServeMetrics
+    from kvgraph.entrypoints.serve.streams import StreamTable
+
+    with pytest.raises(ValueError, match=rf"stream_interval must be an integer >= 1, got {interval!r}"):
+        StreamTable(ServeMetrics(dict, 0), stream_interval=interval)
