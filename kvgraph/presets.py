@@ -5,13 +5,18 @@ Nothing is downloaded: each preset builds its model from a config in code
 same weights) and shares one tokenizer built in code: ids 0..2 are
 ``<pad>``, ``<s>``, ``</s>``, ids 3..258 are the 256 bytes, so any text encodes.
 ``llama-56m`` has a 32000-token vocabulary, as Llama's own tokenizer, so that its embedding and
-output projection weigh what a real model's do; text still encodes into ids below 259, and
-generated ids past those decode to nothing.
+output projection weigh what a real model's do. Its tokenizer names every id: past the bytes, each
+is a short word (a space and two to four letters, in order) that text never encodes into (the BPE
+has no merges), so text still encodes into ids below 259 while every generated id decodes to text,
+as a real tokenizer's do. (When those ids decoded to nothing, a streamed reply came as one chunk,
+and a serving benchmark measured no per-token streaming at all.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import string
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,17 +116,22 @@ def load_preset(
         model = AutoModelForCausalLM.from_config(config)
     if dtype is not None:
         model = model.to(dtype)
-    return model.eval(), byte_tokenizer()
+    return model.eval(), byte_tokenizer(config.vocab_size)
 
 
-def byte_tokenizer():
-    """A ``PreTrainedTokenizerFast`` over the 256 bytes plus ``<pad>``, ``<s>``, ``</s>``."""
+def byte_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A ``PreTrainedTokenizerFast`` over the 256 bytes plus ``<pad>``, ``<s>``, ``</s>``; ids from
+    259 up to ``vocab_size`` are words that decode to text but that no text encodes into."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    if vocab_size < VOCAB_SIZE:
+        raise ConfigError(f"a byte tokenizer needs a vocabulary of at least {VOCAB_SIZE} ids, got {vocab_size}")
     vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
     for c in _byte_chars():
         vocab[c] = len(vocab)
+    for word in itertools.islice(_words(), vocab_size - VOCAB_SIZE):
+        vocab[word] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -129,6 +139,14 @@ def byte_tokenizer():
         tokenizer_object=tok, pad_token=SPECIAL_TOKENS[PAD_ID], bos_token=SPECIAL_TOKENS[BOS_ID],
         eos_token=SPECIAL_TOKENS[EOS_ID],
     )
+
+
+def _words() -> Iterator[str]:
+    """Words " aa", " ab", ..., " zz", " aaa", ...: a space (``Ġ`` in the byte alphabet), then letters."""
+    space = _byte_chars()[ord(" ")]
+    for length in itertools.count(2):
+        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+            yield space + "".join(letters)
 
 
 def _byte_chars() -> list[str]:

@@ -76,6 +76,33 @@ def test_byte_tokenizer_round_trips_any_text():
     assert tok.decode([BOS_ID, *ids, EOS_ID], skip_special_tokens=True) == text
 
 
+def test_a_large_vocabulary_decodes_every_id_to_text_that_no_text_encodes_into():
+    tok = byte_tokenizer(32000)
+    assert len(tok) == 32000
+    words = tok.convert_ids_to_tokens(list(range(VOCAB_SIZE, 32000)))
+    assert len(set(words)) == 32000 - VOCAB_SIZE
+    texts = [tok.decode([i]) for i in range(VOCAB_SIZE, 32000)]
+    assert all(t.startswith(" ") and t[1:].isalpha() and t[1:].islower() and 2 < len(t) <= 5 for t in texts)
+    text = "".join(texts[:50]) + " hello wörld"  # the words themselves encode byte by byte
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == [b + 3 for b in text.encode("utf-8")] and tok.decode(ids) == text
+
+
+def test_a_preset_gets_a_tokenizer_of_its_vocabulary(monkeypatch):
+    import kvgraph.presets as presets
+
+    preset = presets.Preset("llama-1000", "test", lambda: presets._llama(16, 1, 2, 2, vocab_size=1000))
+    monkeypatch.setitem(presets.PRESETS, preset.name, preset)
+    model, tok = load_preset(preset.name)
+    assert model.config.vocab_size == len(tok) == 1000 and tok.decode([999]) != ""
+    assert len(load_preset("llama-tiny")[1]) == VOCAB_SIZE
+
+
+def test_a_vocabulary_smaller_than_the_bytes_is_refused():
+    with pytest.raises(ConfigError, match="at least 259 ids, got 100"):
+        byte_tokenizer(100)
+
+
 def test_unknown_preset_names_the_choices():
     with pytest.raises(ConfigError, match="'llama-huge'.*llama-tiny"):
         load_preset("llama-huge")
