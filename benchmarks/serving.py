@@ -184,6 +184,9 @@ def server_report(run: dict, engine_texts: list[str], engine_tps: float) -> dict
         # the load generator shares this host's cores with the server: the CPU seconds it took
         "client_cpu_s": run["client_cpu_s"],
         "greedy_texts_equal": len(results),
+        # chunks with text per reply: near max_new_tokens / --stream-interval when every token has
+        # text; far fewer means the replies were not streamed token by token
+        "chunks_per_reply": statistics.mean(len(r["times"]) for r in results),
         "http_vs_engine": tps / engine_tps,
     }
 
