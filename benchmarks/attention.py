@@ -14,6 +14,8 @@ the query heads beforehand. Times are ``triton.testing.do_bench`` medians. ``--k
 int8 / fp8_e4m3 quantizes the decode rows' cache (a float32 scale per 128 head-dim elements, MAX's
 default) and counts its bytes, scales included; prefill rows keep the float cache.
 ``--interpret-smoke`` only checks that the script runs end to end (its times mean nothing).
+With ``KVGRAPH_TRITON_AUTOTUNE=0`` each kernel runs its first config (a run of minutes instead of
+one per shape's autotuning; the report's ``autotune`` says which).
 """
 
 from __future__ import annotations
@@ -209,11 +211,16 @@ def main() -> None:
     else:
         device, name, timer = "cuda", torch.cuda.get_device_name(), cuda_timer
     peak = args.peak_gb_per_s * 1e9 if args.peak_gb_per_s else peak_bandwidth(name)
+    # imports Triton: after TRITON_INTERPRET is set
+    from kvgraph.ops.triton.configs import AUTOTUNE_ENV
+
     torch.manual_seed(0)
     report = {
         "device": name, "peak_gb_per_s": None if peak is None else round(peak / 1e9),
         "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
         "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "torch": torch.__version__,
+        # KVGRAPH_TRITON_AUTOTUNE=0: each kernel's first config, not the fastest (a quick run)
+        "autotune": os.environ.get(AUTOTUNE_ENV, "1") != "0",
         "smoke": args.interpret_smoke,
         "decode": [decode_row(b, c, args, device, timer, peak) for b in args.batches for c in args.contexts],
         "prefill": [prefill_row(n, args, device, timer) for n in args.prefill_lengths],
