@@ -58,6 +58,7 @@ import torch
 
 from kvgraph.entrypoints.cli.bench import run_kvgraph
 from kvgraph.entrypoints.llm import LLM
+from kvgraph.ops.linear import cpuinfo
 from kvgraph.presets import save_preset
 from kvgraph.workloads import Workload, make_workload
 
@@ -178,10 +179,8 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), None) if Path("/proc/cpuinfo").is_file() else None
     return {
-        "cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpuinfo("model name"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "logical_cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
         "torch": torch.__version__,
     }

@@ -107,14 +107,19 @@ def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def cpu_vendor() -> str | None:
-    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``, ...);
+def cpuinfo(field: str) -> str | None:
+    """The first CPU's ``field`` in ``/proc/cpuinfo`` (``"vendor_id"``, ``"model name"``, ...);
     ``None`` where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
     except OSError:
         return None
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's ``vendor_id`` (``"GenuineIntel"``, ``"AuthenticAMD"``, ...); ``None`` where unknown."""
+    return cpuinfo("vendor_id")
 
 
 _max_rows: int | None = None

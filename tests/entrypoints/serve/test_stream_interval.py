@@ -4,6 +4,8 @@ at once, and the text is the same as without it."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -33,9 +35,6 @@ def test_tokens_come_n_to_a_chunk_after_the_first(interval_client):
 
 
 def test_a_bad_interval_is_refused_before_the_server_starts(tmp_path):
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-m", "kvgraph.entrypoints.cli", "serve", *ENGINE_FLAGS,
                           "--stream-interval", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and "--stream-interval" in out.stderr and "0" in out.stderr
