@@ -10,10 +10,13 @@ cache with ``HEAD_DIM // QGROUP`` values per row. ``QUANT == 0`` is a floating c
   even. The rounding adds and subtracts 1.5 * 2**23, which is exact only if the product is not
   fused into that add: the store kernel is launched with ``enable_fp_fusion=False``. float8 values
   are rounded to e4m3's grid here, so the final conversion is exact (Triton's interpreter rounds
-  values across a power of two wrongly).
+  values across a power of two wrongly), and a zero keeps its sign bit as torch's conversion keeps it
+  (an H100's conversion of -0.0 stores +0).
 
-Reads (:func:`kvgraph.ops.triton.tile_kernel.attend_tile`) dequantize each loaded tile in registers:
-8-bit values to fp32, times each element's scale, to the queries' dtype.
+Reads (:func:`kvgraph.ops.triton.tile_kernel.attend_tile`) dequantize in registers: with one scale
+per row the 8-bit values go to the dot as they are and the scale weighs the row's score and
+probability; with finer groups each loaded tile becomes fp32 values times their scales, in the
+queries' dtype.
 """
 
 import triton
@@ -67,5 +70,8 @@ def quantize_rows(x, d_valid, QUANT: tl.constexpr, QMAX: tl.constexpr, QGROUP: t
         q = tl.minimum(tl.maximum(round_even(y), -QMAX), QMAX).to(tl.int8)
     else:
         q = round_e4m3(tl.minimum(tl.maximum(y, -QMAX), QMAX)).to(tl.float8e4nv)
+        # the H100's conversion drops the sign of a zero, which torch's keeps: y's sign bit goes back
+        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        q = (q.to(tl.uint8, bitcast=True) | sign).to(tl.float8e4nv, bitcast=True)
     return q, scales
 

@@ -95,8 +95,11 @@ def attend_tile(
     are masked; a row that has seen no key yet keeps max -inf and sum 0).
     ``K``/``V`` point at the key/value rows of this layer and KV head at page 0, row 0; with
     ``QUANT`` (an 8-bit cache) ``KS``/``VS`` point at their scales (``stride_spage``,
-    ``stride_srow``; one per ``QGROUP`` elements), and each tile is dequantized to q's dtype once
-    loaded (:mod:`kvgraph.ops.triton.quant_kernel`).
+    ``stride_srow``; one per ``QGROUP`` elements). With one scale per row (``QGROUP == HEAD_DIM``,
+    MAX's default granularity on heads of up to 128) the tile's 8-bit values go to the dot as they
+    are (exact in q's dtype) and the row's scale multiplies its score and its probability: a
+    per-element gather of scales made H100 decode 14x slower than an fp32 cache. Finer groups
+    dequantize each tile to q's dtype once loaded (:mod:`kvgraph.ops.triton.quant_kernel`).
     ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
     With ``HAS_SOFTCAP``, scores ``s`` become ``softcap * tanh(s / softcap)`` before masking; both
     are in log2 units (the cap times log2(e)), which is the true-scale ``c * tanh(s / c)`` times log2(e).
@@ -112,10 +115,18 @@ def attend_tile(
     k = tl.load(K + rows[None, :] + offs_d[:, None], mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
     if QUANT:
         srows = kv_rows(page, offs_n, stride_spage, stride_srow, PAGE_SIZE)  # [BLOCK_N]
-        ks = tl.load(KS + srows[None, :] + (offs_d // QGROUP)[:, None], mask=d_valid[:, None] & kv_valid[None, :],
-                     other=0.0)
-        k = (k.to(tl.float32) * ks).to(q.dtype)
+        if QGROUP == HEAD_DIM:
+            # one scale per row: 8-bit values are exact in q's dtype, the scale goes on the scores
+            ks = tl.load(KS + srows, mask=kv_valid, other=0.0)  # [BLOCK_N]
+            k = k.to(q.dtype)
+        else:
+            ks = tl.load(KS + srows[None, :] + (offs_d // QGROUP)[:, None],
+                         mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
+            k = (k.to(tl.float32) * ks).to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
+    if QUANT:
+        if QGROUP == HEAD_DIM:
+            s = s * ks[None, :]
     if HAS_SOFTCAP:
         s = softcap * tanh(s / softcap)
     if MASKED:
@@ -137,9 +148,15 @@ def attend_tile(
 
     # -- load V tile: [BLOCK_N, HEAD_DIM_PAD] and accumulate --
     v = tl.load(V + rows[:, None] + offs_d[None, :], mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+    pv = p
     if QUANT:
-        vs = tl.load(VS + srows[:, None] + (offs_d // QGROUP)[None, :], mask=kv_valid[:, None] & d_valid[None, :],
-                     other=0.0)
-        v = (v.to(tl.float32) * vs).to(q.dtype)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if QGROUP == HEAD_DIM:
+            # one scale per row: it weighs the row's probability instead of each of its values
+            pv = p * tl.load(VS + srows, mask=kv_valid, other=0.0)[None, :]
+            v = v.to(q.dtype)
+        else:
+            vs = tl.load(VS + srows[:, None] + (offs_d // QGROUP)[None, :],
+                         mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
+            v = (v.to(tl.float32) * vs).to(q.dtype)
+    acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i

@@ -89,7 +89,10 @@ def test_store_writes_the_references_bytes_and_scales(storage, make_kv_case):
                 q, s = quantize(x[start + i], storage, 16)
                 ref_blocks[block, kv, case.layer_idx, row] = q
                 ref_scales[block, kv, case.layer_idx, row] = s
-    assert torch.equal(blocks.view(torch.uint8), ref_blocks.view(torch.uint8))
+    got, want = blocks.view(torch.uint8), ref_blocks.view(torch.uint8)
+    differ = (got != want).nonzero().tolist()[:8]
+    assert not differ, (f"bytes differ at {differ}: stored {[int(got[tuple(i)]) for i in differ]}, "
+                        f"the reference's {[int(want[tuple(i)]) for i in differ]}")
     assert torch.equal(scales, ref_scales)
 
 
