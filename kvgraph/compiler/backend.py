@@ -54,6 +54,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from kvgraph.cache.managers.base import KVCacheManager
 from kvgraph.cache.params import KVCacheParams
+from kvgraph.compiler.direct_call import DirectCall, model_logits
 from kvgraph.compiler.direct_kernels import (
     call_cpu_kernel_directly,
     redirectable_calls,
@@ -461,6 +462,7 @@ class CompiledModel:
         self.written_graphs = 0
         """Graphs captured ahead of time, compiled and written to ``precompile``'s files."""
         self._precompiled: dict[str, Callable] = {}
+        self._direct: dict[str, DirectCall] = {}
         if backend.options.inner == "inductor" and _on_cpu(model):
             probe_in_background()  # Inductor's CPU ISA probes compile beside Dynamo's trace, not after it
 
@@ -478,6 +480,15 @@ class CompiledModel:
         specialises sizes 0 and 1). Returns the model's own output type; with pruned logits
         they are ``[1, batch, V]``.
         """
+        return self._forward(args, kwargs, logits_only=False)
+
+    def logits(self, **kwargs) -> torch.Tensor:
+        """The logits of ``self(**kwargs)``, what the engine's steps ask for. A precompiled graph
+        is then called with its arguments gathered by a checked plan instead of Dynamo's bytecode
+        (:class:`~kvgraph.compiler.direct_call.DirectCall`), and no output object is built."""
+        return self._forward((), kwargs, logits_only=True)
+
+    def _forward(self, args: tuple, kwargs: dict, logits_only: bool):
         require_binding()
         if self._hf_cache:
             kwargs = without_hf_cache(kwargs)
@@ -486,13 +497,17 @@ class CompiledModel:
             shape_class = SHAPE_CLASSES[1] if any(t.shape[1] == 1 for t in tokens) else SHAPE_CLASSES[0]
             run = self._precompiled.get(shape_class) or self._first_precompiled(shape_class, args, kwargs)
             if run is not None:
+                if logits_only:
+                    return self._direct[shape_class](self.model, **kwargs)
                 return run(self.model, *args, **kwargs)
         for value in tokens:
             torch._dynamo.maybe_mark_dynamic(value, 1)
         if not self._freezes:
-            return self.module(*args, **kwargs)
-        with _tracing_frozen():
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        else:
+            with _tracing_frozen():
+                out = self.module(*args, **kwargs)
+        return model_logits(out) if logits_only else out
 
     def has_precompiled(self, one_token: bool) -> bool:
         """Whether the graph of steps of one new token (or of several) has a precompiled file to load."""
@@ -537,6 +552,7 @@ class CompiledModel:
     def _install(self, shape_class: str, compiled) -> Callable:
         compiled.disable_guard_check()
         self._precompiled[shape_class] = compiled
+        self._direct[shape_class] = DirectCall(compiled, dynamic=shape_class == SHAPE_CLASSES[0])
         return compiled
 
 

@@ -10,8 +10,10 @@ from contextlib import contextmanager
 import torch
 
 from kvgraph.cache.inputs import RaggedKVCacheInputs
+from kvgraph.compiler.backend import CompiledModel
+from kvgraph.compiler.direct_call import model_logits
 from kvgraph.engine.progress import CompileProgress
-from kvgraph.errors import BindingError, LoweringError
+from kvgraph.errors import BindingError
 
 SHAPE_CLASSES = {True: "one new token, T == 1", False: "several new tokens, T > 1"}
 
@@ -131,7 +133,7 @@ class ModelRunner:
                 self.recompiles += new
         rows = batch if logit_positions is None else logit_positions.shape[0]
         # logits: [1, rows, V]
-        logits = _logits(out)
+        logits = model_logits(out)
         if logits.dim() != 3 or logits.shape[:2] != (1, rows):
             raise BindingError(
                 f"the compiled model returned logits of shape {tuple(logits.shape)}, expected (1, {rows}, V): "
@@ -146,16 +148,17 @@ class ModelRunner:
         anyway (a guard that needs checking failed) runs again with every guard."""
         from kvgraph.compiler.runtime import bind
 
+        call = self.compiled.logits if isinstance(self.compiled, CompiledModel) else self.compiled
         if self.skip_guards and not first:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True), \
                         bind(kv_inputs, input_row_offsets, logit_positions, threads):
-                    return self.compiled(input_ids=input_ids, position_ids=position_ids)
+                    return call(input_ids=input_ids, position_ids=position_ids)
             except RuntimeError as e:
                 if "skip_guard_eval_unsafe" not in str(e):
                     raise
         with bind(kv_inputs, input_row_offsets, logit_positions, threads):
-            return self.compiled(input_ids=input_ids, position_ids=position_ids)
+            return call(input_ids=input_ids, position_ids=position_ids)
 
     def _several_token_graph(self) -> None:
         """Compile the model's graph of several tokens with a 2-token step on a scratch cache of
@@ -173,20 +176,6 @@ class ModelRunner:
             run_step(self.compiled, scratch, [KVRequest(seq, [0, 0])])
         finally:
             scratch.release(seq)
-
-
-def _logits(out: object) -> torch.Tensor:
-    """The logits tensor of a model output: a tensor, an object with ``.logits``, or a tuple's first entry."""
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise LoweringError(
-        f"model output {type(out).__name__} carries no logits tensor; LLM needs a module returning logits"
-    )
 
 
 def _inductor_cache_counts() -> tuple[int, int]:

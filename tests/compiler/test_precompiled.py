@@ -47,6 +47,39 @@ def test_a_second_model_loads_both_graphs_without_tracing(tmp_path):
     assert counters["kvgraph"]["graphs"] == traced  # Dynamo handed the backend no graph: nothing traced
 
 
+class _StepLogits:
+    """A compiled model's ``logits`` (what the engine's steps call) where ``decode`` calls the model."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled, self.model = compiled, compiled.model
+
+    def __call__(self, **kwargs):
+        return self.compiled.logits(**kwargs)
+
+
+class _Refuses:
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the bytecode ran after the graph went direct")
+
+
+def test_steps_call_the_loaded_graphs_directly_once_their_arguments_are_checked(tmp_path):
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(first, first.manager, prompts=ONE)
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    steps = _StepLogits(second)
+    decode(steps, second.manager, steps=3, prompts=ONE)  # T = 5, then three steps of T = 1: checked against eager
+    assert second.loaded_graphs == 2
+    assert second._direct["one-token"].direct and not second._direct["tokens"].direct
+    decode(steps, second.manager)  # T = 6 (another count: its sizes are told from constants), then T = 3
+    assert all(d.direct and d.refused is None for d in second._direct.values())
+    for direct in second._direct.values():
+        direct.compiled = _Refuses()
+    for seq in range(second.manager.max_batch_size):
+        second.manager.release(seq)
+    decode(steps, second.manager, steps=3, prompts=[[3, 1, 4, 1], [5, 9]])  # T = 6, then T = 2
+    decode(steps, second.manager, steps=2, prompts=ONE)  # T = 5, then T = 1
+
+
 def test_the_key_follows_the_model_the_cache_layout_and_the_options():
     model = fresh_model()
     key = precompile_key(model, params(), OPTIONS)
