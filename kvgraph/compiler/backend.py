@@ -509,6 +509,11 @@ class CompiledModel:
                 out = self.module(*args, **kwargs)
         return model_logits(out) if logits_only else out
 
+    def precompiled(self, one_token: bool) -> bool:
+        """Whether steps of one new token (or of several) run a precompiled graph, installed by
+        an earlier call, without Dynamo's frame evaluation."""
+        return SHAPE_CLASSES[int(one_token)] in self._precompiled
+
     def has_precompiled(self, one_token: bool) -> bool:
         """Whether the graph of steps of one new token (or of several) has a precompiled file to load."""
         return self.precompile is not None and self.precompile.path(SHAPE_CLASSES[int(one_token)]).is_file()
