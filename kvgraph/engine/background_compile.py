@@ -166,6 +166,24 @@ class CompilingInBackground:
     def __call__(self, *args, **kwargs):
         return self._current(*args, **kwargs)
 
+    def logits(self, **kwargs) -> torch.Tensor:
+        """The logits of ``self(**kwargs)``: through ``CompiledModel.logits`` once the compiled
+        graphs run (their direct calls), else from the uncompiled lowering's output."""
+        from kvgraph.compiler.backend import CompiledModel
+        from kvgraph.compiler.direct_call import model_logits
+
+        current = self._current
+        if isinstance(current, CompiledModel):
+            return current.logits(**kwargs)
+        return model_logits(current(**kwargs))
+
+    def precompiled(self, one_token: bool) -> bool:
+        """Whether steps of one new token (or of several) now run a precompiled graph."""
+        from kvgraph.compiler.backend import CompiledModel
+
+        current = self._current
+        return isinstance(current, CompiledModel) and current.precompiled(one_token)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the worker (up to ``timeout`` seconds); whether it has exited. The engine
         switches at its next step."""

@@ -12,6 +12,7 @@ import torch
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.compiler.backend import CompiledModel
 from kvgraph.compiler.direct_call import model_logits
+from kvgraph.engine.background_compile import CompilingInBackground
 from kvgraph.engine.progress import CompileProgress
 from kvgraph.errors import BindingError
 
@@ -148,7 +149,7 @@ class ModelRunner:
         anyway (a guard that needs checking failed) runs again with every guard."""
         from kvgraph.compiler.runtime import bind
 
-        compiled_model = isinstance(self.compiled, CompiledModel)
+        compiled_model = isinstance(self.compiled, (CompiledModel, CompilingInBackground))
         call = self.compiled.logits if compiled_model else self.compiled
         # a precompiled graph runs without Dynamo's frame evaluation: no guards to skip, and entering
         # the stance costs about 57 us a step

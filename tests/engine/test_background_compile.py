@@ -58,6 +58,7 @@ def test_serves_uncompiled_then_loads_what_the_worker_wrote(llama, fresh_cache):
         assert worker.process.poll() == 0 and not worker.log_path.exists()
         assert llm.startup_note().startswith("2 graphs loaded whole from precompiled files")
         assert tokens(llm) == reference
+        assert llm.compiled.compiled._direct["tokens"].direct  # T = 7, then T = 2: checked, then called directly
         assert llm.stats()["recompiles"] == 0
     finally:
         llm.close()
