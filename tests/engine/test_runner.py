@@ -117,3 +117,36 @@ def test_other_runtime_errors_of_a_guard_skipping_call_are_raised():
     for _ in range(2):  # the second call skips guard evaluation
         with pytest.raises(RuntimeError, match="the model failed"):
             runner(*_meta_step(3, 2))
+
+
+def test_steps_of_a_precompiled_graph_enter_no_compiler_stance(tmp_path, monkeypatch):
+    """A precompiled graph runs without Dynamo's frame evaluation, so the runner skips the
+    ``skip_guard_eval_unsafe`` stance (tens of microseconds a step) around it."""
+    import kvgraph
+    from kvgraph.cache.request import KVRequest
+    from kvgraph.compiler.step import prepare_step
+    from tests.compiler.toy import ToyDecoder, manager
+
+    entered = []
+    real = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        entered.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        compiled = kvgraph.compile(ToyDecoder().eval(), manager=manager(), precompile=tmp_path)
+    runner, mgr = ModelRunner(compiled), compiled.manager
+    (seq,) = mgr.claim(1)
+    new = [5, 9, 2]
+    for _ in range(4):  # the prompt (T = 3), then three steps of one token: two after the class's first
+        batch = [KVRequest(seq, new)]
+        kv = mgr.fetch(batch)
+        step = prepare_step([new], kv[0].cache_lengths)
+        logits = runner(kv, step.input_ids, step.position_ids, step.input_row_offsets)
+        mgr.step(batch)
+        new = [int(logits[0].argmax())]
+    assert compiled.precompiled(one_token=True) and compiled.precompiled(one_token=False)
+    assert entered == []
