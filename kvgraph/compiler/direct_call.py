@@ -75,7 +75,7 @@ class DirectCall:
     def __call__(self, model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
         if self.direct:
             return self._graph(*self._arguments(kwargs))[self._out_index]
-        if self._graph is None:
+        if self._graph is None or self.refused is not None:
             return model_logits(self.compiled(model, **kwargs))
         out, args, results = self._watched(model, kwargs)
         logits = model_logits(out)
