@@ -67,6 +67,8 @@ class DirectCall:
         self._plan: list[tuple] | None = None
         self._recorded: dict[str, tuple[int, ...]] = {}
         self._out_index: int | None = None
+        self._fixed: list = []  # once direct: the graph's arguments, None where each call's go
+        self._step_args: list[tuple[int, str, Any]] = []  # once direct: (index, kind, source) of those
         self.direct = False
         """Whether calls now go straight to the graph."""
         self.refused: str | None = None
@@ -146,6 +148,9 @@ class DirectCall:
                 self.refused = f"argument {i} of the graph did not come from where its first call said"
                 return
         self._plan, self.direct = plan, True
+        # per call: a copy of the fixed arguments with the step's tensors and sizes put in
+        self._fixed = [source if kind == _CONST else None for kind, source in plan]
+        self._step_args = [(i, kind, source) for i, (kind, source) in enumerate(plan) if kind != _CONST]
 
     def _size_source(self, recorded: int, now: int, shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, int] | None:
         """The (keyword, axis) whose size was ``recorded`` at the first call and is ``now`` at this one."""
@@ -159,12 +164,7 @@ class DirectCall:
         return None
 
     def _arguments(self, kwargs: Mapping) -> list:
-        out = []
-        for kind, source in self._plan:
-            if kind == _KW:
-                out.append(kwargs[source])
-            elif kind == _SIZE:
-                out.append(kwargs[source[0]].shape[source[1]])
-            else:
-                out.append(source)
+        out = self._fixed.copy()
+        for i, kind, source in self._step_args:
+            out[i] = kwargs[source] if kind == _KW else kwargs[source[0]].shape[source[1]]
         return out

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvgraph.compiler.backend import CompiledModel
+from kvgraph.compiler.direct_call import model_logits
+
 log = logging.getLogger("kvgraph.engine")
 
 WORKER_MODULE = "kvgraph.engine.compile_worker"
@@ -169,9 +172,6 @@ class CompilingInBackground:
     def logits(self, **kwargs) -> torch.Tensor:
         """The logits of ``self(**kwargs)``: through ``CompiledModel.logits`` once the compiled
         graphs run (their direct calls), else from the uncompiled lowering's output."""
-        from kvgraph.compiler.backend import CompiledModel
-        from kvgraph.compiler.direct_call import model_logits
-
         current = self._current
         if isinstance(current, CompiledModel):
             return current.logits(**kwargs)
@@ -179,8 +179,6 @@ class CompilingInBackground:
 
     def precompiled(self, one_token: bool) -> bool:
         """Whether steps of one new token (or of several) now run a precompiled graph."""
-        from kvgraph.compiler.backend import CompiledModel
-
         current = self._current
         return isinstance(current, CompiledModel) and current.precompiled(one_token)
 

@@ -112,9 +112,13 @@ def cpuinfo(field: str) -> str | None:
     ``None`` where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == field:  # the whole name: "model" is not "model name"
+                    return value.strip()
     except OSError:
-        return None
+        pass
+    return None
 
 
 def cpu_vendor() -> str | None:

@@ -1,10 +1,14 @@
 import pytest
 import torch
 
+import kvgraph
 from kvgraph.cache.inputs import RaggedKVCacheInputs
+from kvgraph.cache.request import KVRequest
+from kvgraph.compiler.step import prepare_step
 from kvgraph.engine import SamplingParams
 from kvgraph.engine.runner import ModelRunner
 from kvgraph.entrypoints.llm import LLM
+from tests.compiler.toy import ToyDecoder, manager
 
 
 def _meta_step(tokens: int, batch: int):
@@ -122,11 +126,6 @@ def test_other_runtime_errors_of_a_guard_skipping_call_are_raised():
 def test_steps_of_a_precompiled_graph_enter_no_compiler_stance(tmp_path, monkeypatch):
     """A precompiled graph runs without Dynamo's frame evaluation, so the runner skips the
     ``skip_guard_eval_unsafe`` stance (tens of microseconds a step) around it."""
-    import kvgraph
-    from kvgraph.cache.request import KVRequest
-    from kvgraph.compiler.step import prepare_step
-    from tests.compiler.toy import ToyDecoder, manager
-
     entered = []
     real = torch.compiler.set_stance
 
