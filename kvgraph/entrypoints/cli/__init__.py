@@ -3,20 +3,27 @@
 Every caller mistake (unknown preset, missing checkpoint, bad sizes, a prompt that
 cannot fit) ends as one ``kvgraph <command>: error: ...`` line on stderr and a
 non-zero exit status, never a traceback.
+
+The subcommands (and with them torch) are imported only once the command line is read, so that
+``kvgraph serve`` can set OpenMP's environment before libgomp loads (``openmp_env``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 from kvgraph import __version__
-from kvgraph.entrypoints.cli import bench, dump, generate, serve
-from kvgraph.entrypoints.cli.common import ArgumentParser
+from kvgraph.entrypoints.cli.openmp_env import apply_serve_default
 from kvgraph.errors import KVGraphError
 
 
-def build_parser() -> ArgumentParser:
+def build_parser():
+    """The ``kvgraph`` parser with every subcommand (this imports them, and torch)."""
+    from kvgraph.entrypoints.cli import bench, dump, generate, serve
+    from kvgraph.entrypoints.cli.common import ArgumentParser
+
     parser = ArgumentParser(
         prog="kvgraph",
         description="Compile an unmodified decoder onto a paged KV cache and serve it with continuous batching.",
@@ -31,6 +38,7 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return the exit status."""
+    apply_serve_default(sys.argv[1:] if argv is None else argv, os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

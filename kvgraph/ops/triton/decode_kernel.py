@@ -24,7 +24,7 @@ def decode_split_kernel(
     num_splits, qk_scale, window, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr, QGROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (sequence, KV head, split): attention of the sequence's query, for every query head
     of the KV head, over one contiguous share of the positions it sees: all of them, or its
@@ -75,7 +75,7 @@ def decode_split_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, q_pos, K, V, KS, VS, lut, start_n, hi,
             stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP, SPLIT,
         )
 
     # -- write the partial state --

@@ -18,9 +18,17 @@ def block_programs(num_tokens: int, batch: int, block: int) -> int:
     return num_tokens // block + batch
 
 
+FP32_DOT_PRECISION = "tf32x3"
+"""``tl.dot``'s precision for fp32 operands: three TF32 tensor-core products per product
+(``a_hi b_hi + a_hi b_lo + a_lo b_hi``), within a few fp32 ulps of full ones, where plain TF32
+keeps 11 bits. ``"ieee"`` (fp32 FMA, no tensor cores) left an H100's fp32 decode compute-bound at
+a quarter of its memory bandwidth (``benchmarks/RESULTS.md``)."""
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: full fp32 products for fp32 (no TF32, as the PyTorch reference)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot`` input precision: :data:`FP32_DOT_PRECISION` for fp32, as accurate as the PyTorch
+    reference's products; 16-bit operands are exact in any."""
+    return FP32_DOT_PRECISION if dtype == torch.float32 else "tf32"
 
 
 def log2_softcap(softcap: float | None) -> float:

@@ -19,7 +19,7 @@ def prefill_kernel(
     batch, qk_scale, window, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr, QGROUP: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (block of BLOCK_Q new tokens of one sequence, KV head): causal attention of the
@@ -76,21 +76,21 @@ def prefill_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, full_start,
             stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP, SPLIT,
         )
     # -- phase 2: whole tiles inside every row's window and before the block's first position --
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, full_end,
             stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP, SPLIT,
         )
     # -- phase 3: the diagonal, up to the block's last new token, causally (and window) masked --
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_first, q_pos, K, V, KS, VS, lut, start_n, kv_end,
             stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP,
+            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_SOFTCAP, QUANT, QGROUP, SPLIT,
         )
 
     # -- epilogue: normalise and store --

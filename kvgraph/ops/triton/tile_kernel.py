@@ -7,6 +7,7 @@
   through the lookup table.
 - :func:`window_start` is the first position a query sees under a sliding window.
 - :func:`tanh` is fp32 ``tanh`` from ``exp2`` alone, for attention logit soft-capping.
+- :func:`split_dot` is an fp32 matrix times 8-bit values on bf16 tensor cores.
 - :func:`attend_tile` is one step of the online softmax over a tile of cached keys/values.
 """
 
@@ -79,13 +80,28 @@ def tanh(x):
 
 
 @triton.jit
+def split_dot(a, b, acc, PARTS: tl.constexpr):
+    """``acc + a @ b`` for fp32 ``a`` and bf16 ``b`` whose values are exact in bf16 (8-bit cache
+    entries: int8, or float8_e4m3fn's 3 mantissa bits), as ``PARTS`` bf16 dots: ``a`` is the sum
+    of its bf16 roundings ``a_1 + a_2 + ...``, each of the rest left by the ones before. Three
+    parts hold fp32's 24 significand bits, every product of bf16 values is exact in fp32, and the
+    dots run on tensor cores instead of fp32 FMA (``input_precision="ieee"``)."""
+    rest = a
+    for _ in tl.static_range(PARTS):
+        part = rest.to(tl.bfloat16)
+        acc = tl.dot(part, b, acc)
+        rest = rest - part.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def attend_tile(
     acc, m_i, l_i, q, q_first, q_pos,
     K, V, KS, VS, Lookup, start_n, kv_end,
     stride_lut_p, stride_page, stride_row, stride_spage, stride_srow, qk_scale, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    QUANT: tl.constexpr, QGROUP: tl.constexpr,
+    QUANT: tl.constexpr, QGROUP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Fold keys/values at positions ``[start_n, start_n + BLOCK_N) ∩ [0, kv_end)`` into the state.
 
@@ -100,7 +116,11 @@ def attend_tile(
     are (exact in q's dtype) and the row's scale multiplies its score and its probability: a
     per-element gather of scales made H100 decode 14x slower than an fp32 cache. Finer groups
     dequantize each tile to q's dtype once loaded (:mod:`kvgraph.ops.triton.quant_kernel`).
-    ``DOT_PRECISION`` is ``"ieee"`` for fp32 caches (no TF32, as the PyTorch reference).
+    ``SPLIT`` (one scale per row, fp32 queries; 0 otherwise) takes both products as that many bf16
+    dots (:func:`split_dot`): with fp32 FMA dots such a cache decoded 7x slower than an fp32 one
+    on an H100.
+    ``DOT_PRECISION`` is ``launch.FP32_DOT_PRECISION`` (``"tf32x3"``) for fp32 operands: products as
+    accurate as fp32's, on tensor cores.
     With ``HAS_SOFTCAP``, scores ``s`` become ``softcap * tanh(s / softcap)`` before masking; both
     are in log2 units (the cap times log2(e)), which is the true-scale ``c * tanh(s / c)`` times log2(e).
     """
@@ -118,12 +138,18 @@ def attend_tile(
         if QGROUP == HEAD_DIM:
             # one scale per row: 8-bit values are exact in q's dtype, the scale goes on the scores
             ks = tl.load(KS + srows, mask=kv_valid, other=0.0)  # [BLOCK_N]
-            k = k.to(q.dtype)
+            if SPLIT:  # through fp32: exact either way, and the interpreter's int8 -> bf16 is not
+                k = k.to(tl.float32).to(tl.bfloat16)
+            else:
+                k = k.to(q.dtype)
         else:
             ks = tl.load(KS + srows[None, :] + (offs_d // QGROUP)[:, None],
                          mask=d_valid[:, None] & kv_valid[None, :], other=0.0)
             k = (k.to(tl.float32) * ks).to(q.dtype)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
+    if SPLIT:
+        s = split_dot(q, k, tl.zeros((q.shape[0], BLOCK_N), tl.float32), SPLIT) * qk_scale
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if QUANT:
         if QGROUP == HEAD_DIM:
             s = s * ks[None, :]
@@ -153,10 +179,16 @@ def attend_tile(
         if QGROUP == HEAD_DIM:
             # one scale per row: it weighs the row's probability instead of each of its values
             pv = p * tl.load(VS + srows, mask=kv_valid, other=0.0)[None, :]
-            v = v.to(q.dtype)
+            if SPLIT:
+                v = v.to(tl.float32).to(tl.bfloat16)
+            else:
+                v = v.to(q.dtype)
         else:
             vs = tl.load(VS + srows[:, None] + (offs_d // QGROUP)[None, :],
                          mask=kv_valid[:, None] & d_valid[None, :], other=0.0)
             v = (v.to(tl.float32) * vs).to(q.dtype)
-    acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if SPLIT:
+        acc = split_dot(pv, v, acc * alpha[:, None], SPLIT)
+    else:
+        acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i

@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvgraph.ops.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel  # noqa: E402
 from kvgraph.ops.triton.launch import dot_precision  # noqa: E402
+from kvgraph.ops.triton.layout import FP32_SPLIT_PARTS  # noqa: E402
 from kvgraph.ops.triton.prefill_kernel import prefill_kernel  # noqa: E402
 from kvgraph.ops.triton.store_kernel import store_kv_kernel  # noqa: E402
 
@@ -29,11 +30,15 @@ POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf1
 QUANT = {None: (0, 1.0), torch.int8: (1, 127.0), torch.float8_e4m3fn: (2, 448.0)}
 FLOATS = {"qk_scale", "softcap"}
 STORE = {"float": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-# (query dtype, cache storage) of the attention kernels
-DECODE = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "bf16-int8": (torch.bfloat16, torch.int8),
-          "fp16-fp8": (torch.float16, torch.float8_e4m3fn), "fp32-int8": (torch.float32, torch.int8)}
-PREFILL = {"bf16": (torch.bfloat16, None), "bf16-int8": (torch.bfloat16, torch.int8),
-           "fp16-fp8": (torch.float16, torch.float8_e4m3fn), "fp32": (torch.float32, None)}
+# (query dtype, cache storage, one scale per row) of the attention kernels; fp32 queries over a
+# cache with one scale per row take split bf16 dots (``tile_kernel.split_dot``)
+DECODE = {"fp32": (torch.float32, None, False), "bf16": (torch.bfloat16, None, False),
+          "bf16-int8": (torch.bfloat16, torch.int8, False), "fp16-fp8": (torch.float16, torch.float8_e4m3fn, False),
+          "fp32-int8": (torch.float32, torch.int8, False), "fp32-int8-row": (torch.float32, torch.int8, True),
+          "fp32-fp8-row": (torch.float32, torch.float8_e4m3fn, True)}
+PREFILL = {"bf16": (torch.bfloat16, None, False), "bf16-int8": (torch.bfloat16, torch.int8, False),
+           "fp16-fp8": (torch.float16, torch.float8_e4m3fn, False), "fp32": (torch.float32, None, False),
+           "fp32-int8-row": (torch.float32, torch.int8, True)}
 
 
 def compile_sm90(kernel, pointers: dict[str, str], constexprs: dict[str, object], **options):
@@ -74,15 +79,22 @@ def store(storage: torch.dtype | None) -> dict[str, object]:
             "rounder": "0f4B400000" in ptx}
 
 
-def decode(dtype: torch.dtype, storage: torch.dtype | None) -> dict[str, object]:
-    quant = quant_constexprs(storage, 128, 64)
+def read_constexprs(dtype: torch.dtype, storage: torch.dtype | None, head_dim: int, per_row: bool) -> dict:
+    """``QUANT``, ``QGROUP`` and ``SPLIT`` as ``PagedLayer.read_constexprs`` gives them (two scales
+    per row unless ``per_row``)."""
+    quant = quant_constexprs(storage, head_dim, head_dim if per_row else head_dim // 2)
+    split = FP32_SPLIT_PARTS if storage is not None and per_row and dtype == torch.float32 else 0
+    return {"QUANT": quant["QUANT"], "QGROUP": quant["QGROUP"], "SPLIT": split}
+
+
+def decode(dtype: torch.dtype, storage: torch.dtype | None, per_row: bool) -> dict[str, object]:
     split = compile_sm90(
         decode_split_kernel,
         {"Q": POINTER[dtype], "PartAcc": "*fp32", "PartMax": "*fp32", "PartSum": "*fp32",
          **cache_pointers(dtype if storage is None else storage)},
         {"HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "GROUP": 4, "BLOCK_H": 16, "PAGE_SIZE": 16,
-         "DOT_PRECISION": dot_precision(dtype), "HAS_SOFTCAP": storage is not None, "QUANT": quant["QUANT"],
-         "QGROUP": quant["QGROUP"], "BLOCK_N": 64},
+         "DOT_PRECISION": dot_precision(dtype), "HAS_SOFTCAP": storage is not None,
+         **read_constexprs(dtype, storage, 128, per_row), "BLOCK_N": 64},
         num_warps=4, num_stages=2,
     )
     reduce = compile_sm90(decode_reduce_kernel, {"Out": POINTER[dtype], "PartAcc": "*fp32", "PartMax": "*fp32",
@@ -91,14 +103,13 @@ def decode(dtype: torch.dtype, storage: torch.dtype | None) -> dict[str, object]
     return {"cubin_bytes": len(split.asm["cubin"]) + len(reduce.asm["cubin"])}
 
 
-def prefill(dtype: torch.dtype, storage: torch.dtype | None) -> dict[str, object]:
-    quant = quant_constexprs(storage, 64, 64)
+def prefill(dtype: torch.dtype, storage: torch.dtype | None, per_row: bool) -> dict[str, object]:
     kernel = compile_sm90(
         prefill_kernel,
         {"Q": POINTER[dtype], "Out": POINTER[dtype], **cache_pointers(dtype if storage is None else storage)},
         {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "GROUP": 4, "GROUP_PAD": 4, "PAGE_SIZE": 16,
-         "DOT_PRECISION": dot_precision(dtype), "HAS_SOFTCAP": False, "QUANT": quant["QUANT"],
-         "QGROUP": quant["QGROUP"], "BLOCK_Q": 16, "BLOCK_N": 64},
+         "DOT_PRECISION": dot_precision(dtype), "HAS_SOFTCAP": False,
+         **read_constexprs(dtype, storage, 64, per_row), "BLOCK_Q": 16, "BLOCK_N": 64},
         num_warps=4, num_stages=2,
     )
     return {"cubin_bytes": len(kernel.asm["cubin"])}

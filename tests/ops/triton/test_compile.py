@@ -21,8 +21,8 @@ import triton
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 CASES = ["store-float", "store-int8", "store-fp8", "decode-fp32", "decode-bf16", "decode-bf16-int8",
-         "decode-fp16-fp8", "decode-fp32-int8", "prefill-bf16", "prefill-bf16-int8", "prefill-fp16-fp8",
-         "prefill-fp32"]
+         "decode-fp16-fp8", "decode-fp32-int8", "decode-fp32-int8-row", "decode-fp32-fp8-row", "prefill-bf16",
+         "prefill-bf16-int8", "prefill-fp16-fp8", "prefill-fp32", "prefill-fp32-int8-row"]
 
 pytestmark = pytest.mark.skipif("nvidia" not in triton.backends.backends,
                                 reason="this Triton has no NVIDIA backend to compile with")

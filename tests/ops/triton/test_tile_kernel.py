@@ -1,12 +1,14 @@
 """The helpers shared by the kernels: cache offsets past 2**31 elements stay exact; the
-soft-capping ``tanh`` is accurate to a few ulps from tiny to huge arguments."""
+soft-capping ``tanh`` is accurate to a few ulps from tiny to huge arguments; fp32 times 8-bit
+values as bf16 dots is as exact as fp32 products."""
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 
-from kvgraph.ops.triton.tile_kernel import kv_rows, lookup_pages, tanh
-from tests.ops.triton.triton_cases import DEVICE
+from kvgraph.ops.triton.tile_kernel import kv_rows, lookup_pages, split_dot, tanh
+from tests.ops.triton.triton_cases import DEVICE, gpu
 
 
 @triton.jit
@@ -57,3 +59,35 @@ def test_tanh_is_accurate_near_zero_and_saturates_without_overflow():
     torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=4 * torch.finfo(torch.float32).eps,
                                atol=torch.finfo(torch.float32).tiny)
     assert (out[x.abs() >= 20] == x[x.abs() >= 20].sign()).all()
+
+
+@triton.jit
+def _split_dot_kernel(A, B, Out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, PARTS: tl.constexpr):
+    rows, inner, cols = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(A + rows[:, None] * K + inner[None, :])
+    b = tl.load(B + inner[:, None] * N + cols[None, :]).to(tl.float32).to(tl.bfloat16)
+    tl.store(Out + rows[:, None] * N + cols[None, :], split_dot(a, b, tl.zeros((M, N), tl.float32), PARTS))
+
+
+@gpu  # the interpreter has no bf16 tl.dot (triton-lang/triton#11584)
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_split_dot_of_fp32_and_8_bit_values_is_as_exact_as_fp32_products(storage):
+    m, k, n = 16, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k)  # every magnitude in each row
+    if storage == torch.int8:
+        b = torch.randint(-127, 128, (k, n), generator=gen, dtype=torch.int8)
+    else:
+        b = (torch.randn(k, n, generator=gen) * 100).to(storage)
+    expected = a.double() @ b.double()
+    bound = (a.double().abs() @ b.double().abs()) * k * torch.finfo(torch.float32).eps  # fp32 sums' error
+
+    def run(parts: int) -> torch.Tensor:
+        out = torch.full((m, n), float("nan"), device=DEVICE)
+        _split_dot_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), out, M=m, K=k, N=n, PARTS=parts)
+        return out.double().cpu()
+
+    assert ((run(3) - expected).abs() <= bound).all()
+    # one part is a bf16 dot: its rounding of ``a`` (2**-9 relative) shows, so the parts are what
+    # make the difference
+    assert ((run(1) - expected).abs() > bound).any()
