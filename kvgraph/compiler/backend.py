@@ -110,6 +110,7 @@ class BackendOptions:
         windows: each attention site's sliding window, known before any graph is lowered (from
             the model's config, or given); ``None``: learnt from the first graph of a dynamic
             token count (see :class:`ModelWindows`).
+        cpp_wrapper: with Inductor, write each graph's wrapper in C++ (Inductor's ``cpp_wrapper``).
         packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear`` (the weight
             packed once for MKL's GEMM, which beats Inductor's oneDNN linear at dynamic row counts).
     """
@@ -121,6 +122,7 @@ class BackendOptions:
     freeze_weights: bool = False
     windows: KnownWindows | None = None
     packed_linears: bool = True
+    cpp_wrapper: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -388,7 +390,7 @@ def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManag
     remember_isa_probes()  # its vector-ISA probes: ~2 s a process, answered from earlier processes
     return inductor_config.patch({
         "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
-        "size_asserts": False, "alignment_asserts": False,
+        "size_asserts": False, "alignment_asserts": False, "cpp_wrapper": options.cpp_wrapper,
     })
 
 
@@ -403,11 +405,24 @@ def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_input
     """
     compiler = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
     fakes = [_example_value(node) for node in gm.graph.find_nodes(op="placeholder")]
+    _placeholders_as_dynamos(gm)
     if TracingContext.try_get() is not None:
         return compiler(gm, [*example_inputs, *fakes[len(example_inputs):]])
     fake_mode = detect_fake_mode(fakes)
     with tracing(TracingContext(fake_mode)), _dynamic_floats_specialized(fake_mode.shape_env):
         return compiler(gm, fakes)
+
+
+def _placeholders_as_dynamos(gm: torch.fx.GraphModule) -> None:
+    """Keep the fake values of kvgraph's own placeholders (the KV inputs, the logit positions) as
+    Dynamo keeps those of its: in ``meta["example_value"]`` only. Inductor's ``cpp_wrapper`` takes
+    a graph's inputs from its placeholders' ``meta["val"]`` as soon as one has it (a path for
+    exported graphs) and puts ``None`` for every placeholder without one: Dynamo's weights and
+    sizes."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
+            del node.meta["val"]
 
 
 @contextlib.contextmanager
@@ -628,6 +643,7 @@ def compile(
     freeze_weights: bool = False,
     packed_linears: bool = True,
     precompile: bool | str | os.PathLike = False,
+    cpp_wrapper: bool = False,
 ) -> CompiledModel:
     """Compile ``model`` (unmodified) into a ragged, KV-cached model.
 
@@ -644,6 +660,7 @@ def compile(
         dump: ``dump(stage, gm)`` after capture and after each lowering pass.
         freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
         packed_linears: float32 linear layers on MKL's packed GEMM on the CPU (see ``BackendOptions``).
+        cpp_wrapper: Inductor writes each graph's wrapper in C++ instead of Python.
         precompile: keep each graph whole on disk and load it in later processes without tracing
             (:mod:`kvgraph.compiler.precompiled`): ``True`` in ``<Inductor's cache dir>/kvgraph/precompiled``,
             or in the directory given. Needs ``manager``, Inductor and unfrozen weights. After a graph's
@@ -657,7 +674,7 @@ def compile(
     windows = None if sizes is None else KnownWindows(sizes=sizes, origin=WindowOrigin.CONFIG)
     options = BackendOptions(
         params=params, inner=inner, prune_logits=prune_logits, dump=dump, freeze_weights=freeze_weights,
-        windows=windows, packed_linears=packed_linears,
+        windows=windows, packed_linears=packed_linears, cpp_wrapper=cpp_wrapper,
     )
     store = None
     if precompile:
@@ -666,7 +683,7 @@ def compile(
         directory = default_directory() if precompile is True else Path(precompile)
         key = precompile_key(model, params, {
             "inner": inner, "prune_logits": prune_logits, "freeze_weights": freeze_weights, "windows": windows,
-            "packed_linears": packed_linears,
+            "packed_linears": packed_linears, "cpp_wrapper": cpp_wrapper,
         })
         store = PrecompileStore(directory, key)
     return CompiledModel(model, KVGraphBackend(options), manager, store)

@@ -46,6 +46,11 @@ class EngineConfig:
             the compiled graphs (:func:`resolve_freeze_weights`).
         packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear``, the weight
             packed once for MKL's GEMM (``kvgraph.ops.linear``); ``False``: Inductor's own.
+        cpp_wrapper: have Inductor write each graph's wrapper (what calls its kernels) in C++
+            instead of Python (its ``cpp_wrapper``): a step's Python calls go, for a C++ compile
+            of the wrapper when a graph is compiled or first loaded. On the Zen 4 host of
+            ``benchmarks/RESULTS.md``: batch-1 ``llama-tiny`` 1.12-1.23x, ``llama-56m`` fp32 at 32
+            sequences 1.02-1.08x, but batch-1 ``llama-56m`` with int8 weights 0.89-0.98x. Off by default.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
@@ -92,6 +97,7 @@ class EngineConfig:
     compile: str = "inductor"
     freeze_weights: bool | None = None
     packed_linears: bool = True
+    cpp_wrapper: bool = False
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     progress: bool = True
@@ -115,6 +121,7 @@ class EngineConfig:
         if self.freeze_weights is not None:
             check_flags(freeze_weights=self.freeze_weights)
         check_flags(enable_prefix_caching=self.enable_prefix_caching, packed_linears=self.packed_linears,
+                    cpp_wrapper=self.cpp_wrapper,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head, precompile=self.precompile,
                     background_compile=self.background_compile)

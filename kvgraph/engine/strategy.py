@@ -123,6 +123,7 @@ def prepare_model(model: nn.Module, config: EngineConfig, strategy: RunnerStrate
     compiled = backend.compile(
         model, manager=manager, inner=config.compile, packed_linears=config.packed_linears,
         freeze_weights=frozen, dump=shown.dump if shown else None, precompile=precompile,
+        cpp_wrapper=config.cpp_wrapper,
     )
     if precompile and config.background_compile and not (compiled.has_precompiled(False)
                                                           and compiled.has_precompiled(True)):

@@ -19,7 +19,7 @@ from tests.compiler.toy import ToyDecoder, decode, manager, params
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 OPTIONS = {"inner": "inductor", "prune_logits": True, "freeze_weights": False, "windows": None,
-           "packed_linears": True}
+           "packed_linears": True, "cpp_wrapper": False}
 
 
 def fresh_model():

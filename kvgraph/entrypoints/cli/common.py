@@ -110,6 +110,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-packed-linears", action="store_true",
                    help="leave float32 linear layers on the CPU to Inductor (oneDNN) instead of "
                    "kvgraph::linear (MKL's packed GEMM)")
+    g.add_argument("--cpp-wrapper", action="store_true",
+                   help="have Inductor write each graph's wrapper in C++ instead of Python (fewer "
+                   "Python calls a step; a C++ compile when a graph is compiled or first loaded)")
     g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "

@@ -1,0 +1,55 @@
+"""Inductor's ``cpp_wrapper`` on kvgraph's graphs (``kvgraph.compile(..., cpp_wrapper=True)``): each
+step matches eager, the graph is called through its C++ entry point, and a later model loads the
+precompiled C++ graphs."""
+
+import pytest
+import torch
+from torch._inductor.codecache import CppWrapperCodeCache
+
+import kvgraph
+from kvgraph.compiler.backend import _placeholders_as_dynamos
+from tests.compiler.test_precompiled import ONE, _StepLogits, fresh_model
+from tests.compiler.toy import decode, manager
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def cpp_entries(monkeypatch) -> list:
+    """The C++ wrappers Inductor's generated modules load (``CppWrapperCodeCache.load_pybinding``)."""
+    loaded = []
+    original = CppWrapperCodeCache.load_pybinding.__func__
+
+    def load_pybinding(cls, *args, **kwargs):
+        loaded.append(args)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(load_pybinding))
+    return loaded
+
+
+def test_steps_match_eager_and_a_later_model_loads_the_cpp_graphs(tmp_path, cpp_entries):
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path, cpp_wrapper=True)
+    decode(_StepLogits(first), first.manager, prompts=ONE)  # every step checked against eager
+    assert first.written_graphs == 2
+    assert len(cpp_entries) >= 2  # both graphs' wrappers are C++
+    cpp_entries.clear()
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path, cpp_wrapper=True)
+    decode(_StepLogits(second), second.manager, steps=3, prompts=ONE)
+    assert second.loaded_graphs == 2 and len(cpp_entries) >= 2
+    # the Python wrapper is keyed apart: nothing of the C++ graphs is loaded for it
+    cpp_entries.clear()
+    third = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(_StepLogits(third), third.manager, prompts=ONE)
+    assert third.loaded_graphs == 0 and third.written_graphs == 2 and cpp_entries == []
+
+
+def test_kvgraphs_placeholders_keep_their_fake_values_as_dynamo_does():
+    """Inductor's ``cpp_wrapper`` takes the inputs from ``meta["val"]`` once one placeholder has it, and
+    puts None for the others (Dynamo's, which keep ``example_value``): none may have it."""
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    fake = object()
+    x.meta["val"] = fake
+    _placeholders_as_dynamos(gm)
+    assert "val" not in x.meta and x.meta["example_value"] is fake
