@@ -27,8 +27,11 @@ a quarter of its memory bandwidth (``benchmarks/RESULTS.md``)."""
 
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: :data:`FP32_DOT_PRECISION` for fp32, as accurate as the PyTorch
-    reference's products; 16-bit operands are exact in any."""
-    return FP32_DOT_PRECISION if dtype == torch.float32 else "tf32"
+    reference's products (``"ieee"`` on ROCm, whose Triton has no ``"tf32x3"``); 16-bit operands
+    are exact in any."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if torch.version.hip else FP32_DOT_PRECISION
 
 
 def log2_softcap(softcap: float | None) -> float:
