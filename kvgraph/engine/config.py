@@ -50,7 +50,8 @@ class EngineConfig:
             instead of Python (its ``cpp_wrapper``): a step's Python calls go, for a C++ compile
             of the wrapper when a graph is compiled or first loaded. On the Zen 4 host of
             ``benchmarks/RESULTS.md``: batch-1 ``llama-tiny`` 1.12-1.23x, ``llama-56m`` fp32 at 32
-            sequences 1.02-1.08x, but batch-1 ``llama-56m`` with int8 weights 0.89-0.98x. Off by default.
+            sequences 1.02-1.08x, batch-1 int8 ``llama-56m`` 1.07-1.17x once loaded. Off by default:
+            a load of precompiled C++ graphs sometimes compiles their wrappers again.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
