@@ -11,9 +11,9 @@ import triton
 from kvgraph.errors import CacheInputError
 from kvgraph.ops.plan import plan_for
 from kvgraph.ops.schema import AttentionArgs
-from kvgraph.ops.triton.checks import check_launch, interpreting
+from kvgraph.ops.triton.checks import check_launch
 from kvgraph.ops.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel
-from kvgraph.ops.triton.launch import dot_precision, log2_softcap, on_device
+from kvgraph.ops.triton.launch import dot_constexprs, log2_softcap, on_device
 from kvgraph.ops.triton.layout import MIN_DOT, PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.ops.triton.store import launch_store
 
@@ -103,7 +103,7 @@ def launch_decode(
         num_splits, scale * math.log2(math.e), window, log2_softcap(softcap),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group,
         BLOCK_H=max(MIN_DOT, next_power_of_2(group)), PAGE_SIZE=cache.page_size,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None, **cache.read_constexprs(q.dtype, not interpreting()),
+        HAS_SOFTCAP=softcap is not None, **dot_constexprs(q.dtype, cache), **cache.read_constexprs(),
     )
     decode_reduce_kernel[(batch, n_heads)](
         out, part_acc, part_max, part_sum, input_row_offsets,

@@ -7,6 +7,9 @@ import math
 
 import torch
 
+from kvgraph.ops.triton.checks import interpreting
+from kvgraph.ops.triton.layout import PagedLayer
+
 
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s CUDA device current for a launch (a no-op for CPU tensors under the interpreter)."""
@@ -32,6 +35,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "ieee" if torch.version.hip else FP32_DOT_PRECISION
+
+
+FP32_SPLIT_PARTS = 3
+"""bf16 parts of each fp32 operand of the attention dots over an 8-bit cache with one scale per
+row (``tile_kernel.split_dot``): 3 hold all of fp32's significand bits."""
+
+
+def dot_constexprs(q_dtype: torch.dtype, cache: PagedLayer) -> dict[str, object]:
+    """How the attention kernels multiply queries of ``q_dtype`` by ``cache``'s keys and values:
+    ``DOT_PRECISION`` (:func:`dot_precision`) and ``SPLIT``, :data:`FP32_SPLIT_PARTS` bf16 dots
+    for fp32 queries over an 8-bit cache with one scale per row (``tile_kernel.attend_tile``),
+    else 0; 0 under Triton's interpreter too, which has no bf16 ``tl.dot``
+    (triton-lang/triton#11584)."""
+    quant = cache.quant_constexprs()
+    split = quant["QUANT"] and quant["GROUPS"] == 1 and q_dtype == torch.float32 and not interpreting()
+    return {"DOT_PRECISION": dot_precision(q_dtype), "SPLIT": FP32_SPLIT_PARTS if split else 0}
 
 
 def log2_softcap(softcap: float | None) -> float:

@@ -29,9 +29,6 @@ import torch
 from kvgraph.cache.quant import QMAX
 
 MIN_DOT = 16  # smallest tl.dot operand dim on GPUs
-FP32_SPLIT_PARTS = 3
-"""bf16 parts of each fp32 operand of the attention dots over an 8-bit cache with one scale per
-row (``tile_kernel.split_dot``): 3 hold all of fp32's significand bits."""
 
 
 def next_power_of_2(n: int) -> int:
@@ -112,11 +109,7 @@ class PagedLayer:
         return {"QUANT": 1 if dtype == torch.int8 else 2, "QMAX": QMAX[dtype],
                 "QGROUP": self.layer.shape[-1] // groups, "GROUPS": groups, "GROUPS_PAD": next_power_of_2(groups)}
 
-    def read_constexprs(self, q_dtype: torch.dtype, compiled: bool) -> dict[str, object]:
-        """What the attention kernels take of :meth:`quant_constexprs` (``QUANT`` and ``QGROUP``)
-        for queries of ``q_dtype``, and ``SPLIT``: :data:`FP32_SPLIT_PARTS` for fp32 queries over
-        an 8-bit cache with one scale per row (``attend_tile``) when the kernels are ``compiled``,
-        else 0 (Triton's interpreter has no bf16 ``tl.dot``: triton-lang/triton#11584)."""
+    def read_constexprs(self) -> dict[str, object]:
+        """What the attention kernels take of :meth:`quant_constexprs`: ``QUANT`` and ``QGROUP``."""
         c = self.quant_constexprs()
-        split = c["QUANT"] and c["GROUPS"] == 1 and q_dtype == torch.float32 and compiled
-        return {"QUANT": c["QUANT"], "QGROUP": c["QGROUP"], "SPLIT": FP32_SPLIT_PARTS if split else 0}
+        return {"QUANT": c["QUANT"], "QGROUP": c["QGROUP"]}

@@ -8,8 +8,8 @@ import torch
 
 from kvgraph.ops.plan import StepPlan, with_op_arguments
 from kvgraph.ops.schema import AttentionArgs
-from kvgraph.ops.triton.checks import check_launch, interpreting
-from kvgraph.ops.triton.launch import block_programs, dot_precision, log2_softcap, on_device
+from kvgraph.ops.triton.checks import check_launch
+from kvgraph.ops.triton.launch import block_programs, dot_constexprs, log2_softcap, on_device
 from kvgraph.ops.triton.layout import PagedLayer, next_power_of_2, padded_head_dim
 from kvgraph.ops.triton.prefill_kernel import prefill_kernel
 from kvgraph.ops.triton.store import launch_store
@@ -67,6 +67,6 @@ def launch_prefill(
         batch, scale * math.log2(math.e), window, log2_softcap(softcap),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
         GROUP=group, GROUP_PAD=next_power_of_2(group), PAGE_SIZE=cache.page_size,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFTCAP=softcap is not None, **cache.read_constexprs(q.dtype, not interpreting()),
+        HAS_SOFTCAP=softcap is not None, **dot_constexprs(q.dtype, cache), **cache.read_constexprs(),
     )
     return out

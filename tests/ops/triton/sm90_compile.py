@@ -20,8 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvgraph.ops.triton.decode_kernel import decode_reduce_kernel, decode_split_kernel  # noqa: E402
-from kvgraph.ops.triton.launch import dot_precision  # noqa: E402
-from kvgraph.ops.triton.layout import FP32_SPLIT_PARTS  # noqa: E402
+from kvgraph.ops.triton.launch import FP32_SPLIT_PARTS, dot_precision  # noqa: E402
 from kvgraph.ops.triton.prefill_kernel import prefill_kernel  # noqa: E402
 from kvgraph.ops.triton.store_kernel import store_kv_kernel  # noqa: E402
 
@@ -80,8 +79,8 @@ def store(storage: torch.dtype | None) -> dict[str, object]:
 
 
 def read_constexprs(dtype: torch.dtype, storage: torch.dtype | None, head_dim: int, per_row: bool) -> dict:
-    """``QUANT``, ``QGROUP`` and ``SPLIT`` as ``PagedLayer.read_constexprs`` gives them (two scales
-    per row unless ``per_row``)."""
+    """``QUANT`` and ``QGROUP`` as ``PagedLayer.read_constexprs`` gives them, and ``SPLIT`` as
+    ``launch.dot_constexprs`` does for compiled kernels (two scales per row unless ``per_row``)."""
     quant = quant_constexprs(storage, head_dim, head_dim if per_row else head_dim // 2)
     split = FP32_SPLIT_PARTS if storage is not None and per_row and dtype == torch.float32 else 0
     return {"QUANT": quant["QUANT"], "QGROUP": quant["QGROUP"], "SPLIT": split}
