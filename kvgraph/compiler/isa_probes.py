@@ -16,13 +16,17 @@ On a fresh cache directory the probes compile each library first: on the 2-core 
 C++ compiler time, which Inductor spends the first time it generates a CPU kernel, after Dynamo and
 AOTAutograd have traced the graph. :func:`probe_in_background` starts them on a thread when kvgraph
 knows Inductor will compile for the CPU, so the compiler runs beside the tracing instead of after it.
-The probes run exactly as Inductor runs them (its own ``valid_vec_isa_list``); if Inductor asks
-before the thread is done, it waits on the same file lock Inductor takes between processes, and
-its answer is the same.
+The probes run exactly as Inductor runs them (its own ``valid_vec_isa_list``). If Inductor asks
+on another thread before they are done, it waits for them (:func:`one_at_a_time`): Inductor's
+AVX-512 check adds ``-mavx512bf16`` to the ISA object's flags while it compiles its probe, and
+restores them after, so two threads checking at once could leave the flag on for the rest of the
+process (measured: one load in ten of ``llama-56m``'s precompiled graphs), and every kernel and
+C++ wrapper then compiled again under other flags, that is, another cache key.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -37,6 +41,8 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "vec_isa_probes.json"
 
 _lock = threading.Lock()
+_probing = threading.RLock()
+"""Held while Inductor's ISA list is worked out (:func:`one_at_a_time`)."""
 _installed = False
 _background: threading.Thread | None = None
 
@@ -98,10 +104,26 @@ def remembered(probe):
     return remembered_probe
 
 
+def one_at_a_time(valid_vec_isa_list):
+    """Inductor's ``valid_vec_isa_list`` (cached once it has answered) worked out by one thread at
+    a time: a caller on another thread waits for the first one's answer (see the module)."""
+
+    @functools.wraps(valid_vec_isa_list)
+    def serialized():
+        with _probing:
+            return valid_vec_isa_list()
+
+    for name in ("cache_clear", "cache_info"):  # functools.cache's, which Inductor's tests call
+        if hasattr(valid_vec_isa_list, name):
+            setattr(serialized, name, getattr(valid_vec_isa_list, name))
+    return serialized
+
+
 def remember_isa_probes() -> bool:
     """Make Inductor's ISA probe skip the subprocess for a library that loaded in an earlier
-    process (see the module). Idempotent; returns whether the probe is wrapped (``False`` where
-    this PyTorch has no such probe)."""
+    process, and its ISA list be worked out by one thread at a time (see the module).
+    Idempotent; returns whether the probe is wrapped (``False`` where this PyTorch has no such
+    probe, and then no thread of kvgraph's probes)."""
     global _installed
     from torch._inductor import cpu_vec_isa
 
@@ -111,6 +133,7 @@ def remember_isa_probes() -> bool:
             if probe is None:
                 return False
             cpu_vec_isa.VecISA._probe_load = remembered(probe)
+            cpu_vec_isa.valid_vec_isa_list = one_at_a_time(cpu_vec_isa.valid_vec_isa_list)
             _installed = True
         return True
 

@@ -3,7 +3,10 @@ loaded again in a subprocess; a failed probe, a changed library or a fresh cache
 
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -147,3 +150,58 @@ def test_compiling_for_inductor_on_the_cpu_starts_the_probes(monkeypatch, inner,
     monkeypatch.setattr(backend, "probe_in_background", lambda: calls.append(1))
     kvgraph.compile(torch.nn.Linear(4, 4), inner=inner)
     assert bool(calls) == started
+
+
+def test_the_isa_list_is_worked_out_by_one_thread_at_a_time():
+    calls, inside, most = [], [0], [0]
+
+    def slow():
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        inside[0] -= 1
+        calls.append(threading.current_thread())
+        return ["isa"]
+
+    serialized = isa_probes.one_at_a_time(slow)
+    threads = [threading.Thread(target=serialized) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert most[0] == 1 and len(calls) == 3
+    assert serialized() == ["isa"]
+
+
+# Inductor's AVX-512 check, on two threads at once (the probes' thread and a load of precompiled
+# graphs), each with a slow compile: without kvgraph's lock the bf16 flag it adds while it checks
+# stays on the VNNI ISA for good, and every kernel compiles under another cache key.
+_RACE = """
+import threading, time
+import torch
+from torch._inductor import config, cpu_vec_isa
+from kvgraph.compiler import isa_probes
+
+assert isa_probes.remember_isa_probes()
+config.cpp.vec_isa_ok = None
+cpu_vec_isa.x86_isa_checker = lambda: ["avx2", "avx512", "avx512_vnni"]
+torch.cpu._is_avx512_bf16_supported = lambda: True
+torch.cpu._is_vnni_supported = lambda: True
+cpu_vec_isa.VecISA.check_build = lambda self, code: time.sleep(0.3) or True
+threads = [threading.Thread(target=cpu_vec_isa.valid_vec_isa_list) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+vnni = cpu_vec_isa.pick_vec_isa()
+print(str(vnni), "|", vnni.build_arch_flags())
+"""
+
+
+def test_two_threads_asking_for_the_isa_leave_its_flags_as_they_were():
+    out = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": ""})
+    assert out.returncode == 0, out.stderr
+    name, flags = out.stdout.strip().rsplit("\n", 1)[-1].split(" | ")
+    assert name == "avx512 avx512_vnni"
+    assert "-mavx512vnni" in flags and "bf16" not in flags
