@@ -11,7 +11,8 @@ with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::l
 ``kvgraph_cpu::packed_linear`` itself), ``mkl_linears`` (as ``python_linears``, with the Python
 implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM against MKL's packed
 GEMM, each behind the op's Python implementation; the MKL path's own per-call checks ride along),
-``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``traced``
+``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``cpp_wrapper`` / ``python_wrapper`` (the defaults, with
+Inductor's C++ or Python wrapper around the graph's kernels), ``traced``
 (the defaults without ``precompile``: each call through Dynamo's frame evaluation and guards rather
 than the precompiled graph's captured bytecode), and
 ``all_guards`` (frozen, every guard evaluated at every call: ``ModelRunner.skip_guards = False``;
@@ -55,6 +56,8 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
     "torch_greedy": {},  # the defaults, greedy tokens picked by torch.max instead of kvgraph's argmax_rows
+    "cpp_wrapper": {"cpp_wrapper": True},  # the defaults, with Inductor's C++ wrapper calling the kernels
+    "python_wrapper": {"cpp_wrapper": False},  # the defaults, with Inductor's Python wrapper
 }
 
 

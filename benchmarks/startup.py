@@ -2,7 +2,7 @@
 one (what the first left on disk), for each ``--freeze`` and ``--precompile`` setting, each start a
 fresh process.
 
-    python benchmarks/startup.py --model llama-56m --freeze auto --precompile on,off
+    python benchmarks/startup.py --model llama-56m --freeze auto --precompile on,off [--cpp-wrapper off,on]
 
 A start of a setting is two processes, each timed from its launch:
 
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--model", default="llama-56m")
     parser.add_argument("--freeze", default="auto", help="comma-separated: on, off, auto")
     parser.add_argument("--precompile", default="on,off", help="comma-separated: on, off")
+    parser.add_argument("--cpp-wrapper", default="off",
+                        help="comma-separated: off, on (Inductor's C++ wrapper, --cpp-wrapper)")
     parser.add_argument("--serve-first", action="store_true",
                         help="also a serve process on an empty cache (compiling in the background) and a "
                         "second one on what its compile worker wrote")
@@ -98,18 +100,21 @@ def main() -> None:
 
     cpp.build()  # once per environment, not part of a model's start
     results = {}
-    for freeze in args.freeze.split(","):
-        for precompile in args.precompile.split(","):
-            flags = ["--freeze-weights", freeze, "--precompile" if precompile == "on" else "--no-precompile"]
+    settings = [(f, p, c) for f in args.freeze.split(",") for p in args.precompile.split(",")
+                for c in args.cpp_wrapper.split(",")]
+    for freeze, precompile, cpp_wrapper in settings:
+        flags = ["--freeze-weights", freeze, "--precompile" if precompile == "on" else "--no-precompile"]
+        name = f"freeze_{freeze}_precompile_{precompile}"
+        if cpp_wrapper == "on":
+            flags.append("--cpp-wrapper")
+            name += "_cpp_wrapper"
+        with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
+            results[name] = {"first": start(args.model, flags, cache_dir, serve=False),
+                             "second": start(args.model, flags, cache_dir, serve=True)}
+        if args.serve_first:
             with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-                results[f"freeze_{freeze}_precompile_{precompile}"] = {
-                    "first": start(args.model, flags, cache_dir, serve=False),
-                    "second": start(args.model, flags, cache_dir, serve=True)}
-            if args.serve_first:
-                with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-                    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-                    results[f"freeze_{freeze}_precompile_{precompile}"]["first_serve"] = serve_first(
-                        args.model, flags, env)
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+                results[name]["first_serve"] = serve_first(args.model, flags, env)
     print(json.dumps({"model": args.model, "results": results}, indent=2))
 
 
