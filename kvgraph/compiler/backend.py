@@ -110,7 +110,9 @@ class BackendOptions:
         windows: each attention site's sliding window, known before any graph is lowered (from
             the model's config, or given); ``None``: learnt from the first graph of a dynamic
             token count (see :class:`ModelWindows`).
-        cpp_wrapper: with Inductor, write each graph's wrapper in C++ (Inductor's ``cpp_wrapper``).
+        cpp_wrapper: with Inductor, write each graph's wrapper (what calls its kernels) in C++
+            (Inductor's ``cpp_wrapper``) instead of Python; ``None`` (the default): in C++ for
+            graphs run on the CPU, in Python on other devices (:meth:`wrapper_in_cpp`).
         packed_linears: on the CPU, run float32 linear layers as ``kvgraph::linear`` (the weight
             packed once for MKL's GEMM, which beats Inductor's oneDNN linear at dynamic row counts).
     """
@@ -122,7 +124,12 @@ class BackendOptions:
     freeze_weights: bool = False
     windows: KnownWindows | None = None
     packed_linears: bool = True
-    cpp_wrapper: bool = False
+    cpp_wrapper: bool | None = None
+
+    def wrapper_in_cpp(self, device: torch.device) -> bool:
+        """Whether Inductor writes the wrapper of a graph run on ``device`` in C++: ``cpp_wrapper``,
+        or where that is ``None``, on the CPU only (the C++ wrapper's CUDA path is untested here)."""
+        return device.type == "cpu" if self.cpp_wrapper is None else self.cpp_wrapper
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -235,7 +242,7 @@ class GraphRunner:
             compiled = copy_graph_module(gm)
             call_cpu_kernel_directly(compiled)
         try:
-            with _inductor_config(self.options):
+            with _inductor_config(self.options, layout.device):
                 fn = _compile_inner(self.options.inner, compiled, example_inputs)
         except exceptions_allowed_to_be_fallback as e:
             # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
@@ -373,12 +380,13 @@ def _on_cpu(model: torch.nn.Module) -> bool:
     return first is None or first.device.type == "cpu"
 
 
-def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManager:
+def _inductor_config(options: BackendOptions, device: torch.device) -> contextlib.AbstractContextManager:
     """Inductor's settings for this compile, when the inner is Inductor: ``freezing`` when
     ``options.freeze_weights``; ``cpp.dynamic_threads`` always, so that its CPU kernels take the
     thread count at run time (``kvgraph.engine.threads``) rather than the one at compile time; and
     no size or alignment asserts (Inductor checks each input's and each extern kernel's output's
-    sizes and strides at every call: about 150 Python calls a step on ``llama-56m``). They hold
+    sizes and strides at every call: about 150 Python calls a step on ``llama-56m``); the wrapper in
+    C++ or Python as ``options.wrapper_in_cpp(device)`` says. The asserts' conditions hold
     by construction here: Dynamo guards the model's inputs and weights, the runtime checks the
     bound cache against the graph (:func:`~kvgraph.compiler.runtime.check_fit`), and the extern
     kernels are ATen's and kvgraph's ops, whose fake implementations give their outputs' sizes and
@@ -390,7 +398,7 @@ def _inductor_config(options: BackendOptions) -> contextlib.AbstractContextManag
     remember_isa_probes()  # its vector-ISA probes: ~2 s a process, answered from earlier processes
     return inductor_config.patch({
         "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
-        "size_asserts": False, "alignment_asserts": False, "cpp_wrapper": options.cpp_wrapper,
+        "size_asserts": False, "alignment_asserts": False, "cpp_wrapper": options.wrapper_in_cpp(device),
     })
 
 
@@ -643,7 +651,7 @@ def compile(
     freeze_weights: bool = False,
     packed_linears: bool = True,
     precompile: bool | str | os.PathLike = False,
-    cpp_wrapper: bool = False,
+    cpp_wrapper: bool | None = None,
 ) -> CompiledModel:
     """Compile ``model`` (unmodified) into a ragged, KV-cached model.
 
@@ -660,7 +668,8 @@ def compile(
         dump: ``dump(stage, gm)`` after capture and after each lowering pass.
         freeze_weights: compile the parameters in as constants (see ``BackendOptions``).
         packed_linears: float32 linear layers on MKL's packed GEMM on the CPU (see ``BackendOptions``).
-        cpp_wrapper: Inductor writes each graph's wrapper in C++ instead of Python.
+        cpp_wrapper: Inductor writes each graph's wrapper in C++ instead of Python; ``None``: on
+            the CPU only (see ``BackendOptions``).
         precompile: keep each graph whole on disk and load it in later processes without tracing
             (:mod:`kvgraph.compiler.precompiled`): ``True`` in ``<Inductor's cache dir>/kvgraph/precompiled``,
             or in the directory given. Needs ``manager``, Inductor and unfrozen weights. After a graph's

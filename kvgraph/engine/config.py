@@ -48,10 +48,10 @@ class EngineConfig:
             packed once for MKL's GEMM (``kvgraph.ops.linear``); ``False``: Inductor's own.
         cpp_wrapper: have Inductor write each graph's wrapper (what calls its kernels) in C++
             instead of Python (its ``cpp_wrapper``): a step's Python calls go, for a C++ compile
-            of the wrapper when a graph is compiled or first loaded. On the Zen 4 host of
+            of the wrapper when a graph is compiled (precompiled files keep it). ``None`` (the
+            default): in C++ on the CPU, in Python on CUDA. On the Zen 4 host of
             ``benchmarks/RESULTS.md``: batch-1 ``llama-tiny`` 1.12-1.23x, ``llama-56m`` fp32 at 32
-            sequences 1.02-1.08x, batch-1 int8 ``llama-56m`` 1.07-1.17x once loaded. Off by default:
-            a load of precompiled C++ graphs sometimes compiles their wrappers again.
+            sequences 1.02-1.08x, batch-1 int8 ``llama-56m`` 1.07-1.17x once loaded.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,
             else the CPU.
         dtype: cast the model to this floating dtype; ``None``: as loaded.
@@ -98,7 +98,7 @@ class EngineConfig:
     compile: str = "inductor"
     freeze_weights: bool | None = None
     packed_linears: bool = True
-    cpp_wrapper: bool = False
+    cpp_wrapper: bool | None = None
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     progress: bool = True
@@ -121,8 +121,9 @@ class EngineConfig:
             raise ConfigError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.freeze_weights is not None:
             check_flags(freeze_weights=self.freeze_weights)
+        if self.cpp_wrapper is not None:
+            check_flags(cpp_wrapper=self.cpp_wrapper)
         check_flags(enable_prefix_caching=self.enable_prefix_caching, packed_linears=self.packed_linears,
-                    cpp_wrapper=self.cpp_wrapper,
                     trust_remote_code=self.trust_remote_code, adaptive_threads=self.adaptive_threads,
                     quantize_lm_head=self.quantize_lm_head, precompile=self.precompile,
                     background_compile=self.background_compile)

@@ -1,13 +1,13 @@
-"""Inductor's ``cpp_wrapper`` on kvgraph's graphs (``kvgraph.compile(..., cpp_wrapper=True)``): each
-step matches eager, the graph is called through its C++ entry point, and a later model loads the
-precompiled C++ graphs."""
+"""Inductor's ``cpp_wrapper`` on kvgraph's graphs (``kvgraph.compile(..., cpp_wrapper=True)``, the
+default on the CPU): each step matches eager, the graph is called through its C++ entry point, and a
+later model loads the precompiled C++ graphs."""
 
 import pytest
 import torch
 from torch._inductor.codecache import CppWrapperCodeCache
 
 import kvgraph
-from kvgraph.compiler.backend import _placeholders_as_dynamos
+from kvgraph.compiler.backend import BackendOptions, _placeholders_as_dynamos
 from tests.compiler.test_precompiled import ONE, _StepLogits, fresh_model
 from tests.compiler.toy import decode, manager
 
@@ -39,9 +39,22 @@ def test_steps_match_eager_and_a_later_model_loads_the_cpp_graphs(tmp_path, cpp_
     assert second.loaded_graphs == 2 and len(cpp_entries) >= 2
     # the Python wrapper is keyed apart: nothing of the C++ graphs is loaded for it
     cpp_entries.clear()
-    third = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    third = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path, cpp_wrapper=False)
     decode(_StepLogits(third), third.manager, prompts=ONE)
     assert third.loaded_graphs == 0 and third.written_graphs == 2 and cpp_entries == []
+
+
+def test_the_default_on_the_cpu_is_the_cpp_wrapper(cpp_entries):
+    compiled = kvgraph.compile(fresh_model(), manager=manager())
+    decode(_StepLogits(compiled), compiled.manager, steps=2, prompts=ONE)
+    assert len(cpp_entries) >= 2
+
+
+@pytest.mark.parametrize("asked, device, in_cpp", [
+    (None, "cpu", True), (None, "cuda", False), (True, "cuda", True), (False, "cpu", False), (True, "cpu", True),
+])
+def test_which_wrapper_a_device_gets(asked, device, in_cpp):
+    assert BackendOptions(cpp_wrapper=asked).wrapper_in_cpp(torch.device(device)) is in_cpp
 
 
 def test_kvgraphs_placeholders_keep_their_fake_values_as_dynamo_does():

@@ -24,6 +24,7 @@ def test_defaults_are_normalised():
     ({"compile": "tvm"}, r"compile.*inductor, eager.*\'tvm\'"),
     ({"freeze_weights": 1}, r"freeze_weights.*\b1\b"),
     ({"precompile": "yes"}, r"precompile.*'yes'"),
+    ({"cpp_wrapper": "auto"}, r"cpp_wrapper.*'auto'"),
     ({"dtype": torch.int8}, r"dtype.*torch\.int8"),
     ({"cache_strategy": "ring"}, "'ring'"),
     ({"device": "tpu"}, "device 'tpu'"),

@@ -64,6 +64,8 @@ def plural(n: int, noun: str) -> str:
 
 FREEZE_CHOICES = {"auto": None, "on": True, "off": False}
 """``--freeze-weights`` values -> ``EngineConfig.freeze_weights``."""
+CPP_WRAPPER_CHOICES = {"auto": None, "on": True, "off": False}
+"""``--cpp-wrapper`` values (a bare ``--cpp-wrapper`` is ``on``) -> ``EngineConfig.cpp_wrapper``."""
 
 
 def _default(field: str) -> object:
@@ -110,9 +112,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-packed-linears", action="store_true",
                    help="leave float32 linear layers on the CPU to Inductor (oneDNN) instead of "
                    "kvgraph::linear (MKL's packed GEMM)")
-    g.add_argument("--cpp-wrapper", action="store_true",
+    g.add_argument("--cpp-wrapper", choices=list(CPP_WRAPPER_CHOICES), nargs="?", const="on", default="auto",
                    help="have Inductor write each graph's wrapper in C++ instead of Python (fewer "
-                   "Python calls a step; a C++ compile when a graph is compiled or first loaded)")
+                   "Python calls a step; a C++ compile when a graph is compiled): on, off, or auto: "
+                   "on for the CPU, off for CUDA (default %(default)s)")
     g.add_argument("--device", default=_default("device"), help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--threads", type=positive_int,
                    help="CPU threads of the model's kernels (torch.set_num_threads; default: one per "
@@ -166,6 +169,7 @@ FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
     "kv_cache_dtype": lambda args: KV_CACHE_DTYPES[args.kv_cache_dtype],
+    "cpp_wrapper": lambda args: CPP_WRAPPER_CHOICES[args.cpp_wrapper],
 }
 """How the ``EngineConfig`` fields whose flag has another name or meaning are read from the parsed
 flags; every other field is the flag of its own name (``--page-size`` is ``page_size``)."""

@@ -76,3 +76,12 @@ def test_build_llm_hands_the_engine_the_config_of_the_flags(monkeypatch):
     args = build_parser().parse_args(["generate", "--max-batch-size", "3", "--compile", "eager"])
     assert isinstance(common.build_llm(args, progress=False), Recorder)
     assert built == {"model": "module", "tokenizer": "tokenizer", "config": engine_config(args, progress=False)}
+
+
+@pytest.mark.parametrize("flags, cpp_wrapper", [
+    ([], None), (["--cpp-wrapper"], True), (["--cpp-wrapper", "on"], True), (["--cpp-wrapper", "off"], False),
+    (["--cpp-wrapper", "auto"], None),
+])
+def test_cpp_wrapper_flags(flags, cpp_wrapper):
+    args = build_parser().parse_args(["generate", *flags])
+    assert engine_config(args, progress=False).cpp_wrapper is cpp_wrapper
