@@ -75,9 +75,9 @@ def compiled_as(name: str):
     elif name == "with_asserts":
         saved = backend._inductor_config
 
-        def with_asserts(options):
+        def with_asserts(options, device):
             stack = contextlib.ExitStack()
-            stack.enter_context(saved(options))
+            stack.enter_context(saved(options, device))
             stack.enter_context(torch._inductor.config.patch(size_asserts=True, alignment_asserts=True))
             return stack
 

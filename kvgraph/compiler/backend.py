@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from kvgraph.passes.pipeline import LoweringResult
 
 InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
-OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows", "packed_linears")
+OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows", "packed_linears", "cpp_wrapper")
 
 
 @dataclass(frozen=True)
@@ -324,8 +324,9 @@ def kvgraph_backend(
     """``torch.compile(model, backend="kvgraph", options={...})``: the by-name entry point.
 
     ``options`` may set ``inner`` (default ``"inductor"``), ``prune_logits`` (default ``True``),
-    ``dump``, ``freeze_weights`` (default ``False``), ``packed_linears`` (default ``True``) and
-    ``windows`` (each attention site's sliding window, ``None`` for plain causal); the cache layout
+    ``dump``, ``freeze_weights`` (default ``False``), ``packed_linears`` (default ``True``),
+    ``cpp_wrapper`` (default ``None``: C++ on the CPU) and ``windows`` (each attention site's
+    sliding window, ``None`` for plain causal); the cache layout
     comes from ``kvgraph.bind`` at call time.
 
     By name, Dynamo hands each graph to this function alone: a graph captured for one token

@@ -90,9 +90,9 @@ def test_the_size_asserts_inductor_leaves_out_would_pass(model, monkeypatch):
         pytest.skip("kvgraph's C++ library does not build here")
     kvgraph_config = backend._inductor_config
 
-    def with_asserts(options):
+    def with_asserts(options, device):
         stack = contextlib.ExitStack()
-        stack.enter_context(kvgraph_config(options))
+        stack.enter_context(kvgraph_config(options, device))
         # compiled afresh: a cached graph would carry the asserts of the fakes it was compiled with
         stack.enter_context(torch._inductor.config.patch(size_asserts=True, alignment_asserts=True,
                                                          force_disable_caches=True))
