@@ -1,6 +1,6 @@
 """Suite-wide set-up: without CUDA, Triton kernels run in Triton's interpreter on CPU tensors;
 every test starts from the same random state, so a model built with random weights is the same
-model whatever ran before it.
+model whatever ran before it; graphs get Inductor's Python wrapper unless a test asks for C++.
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is imported, so it is set here,
 before any test module can import one.
@@ -14,6 +14,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's Python wrapper unless a test asks for C++ (tests/compiler/test_cpp_wrapper.py and the
+# tests marked cpp_wrapper): each C++ wrapper is a compile of seconds, and the suite compiles
+# hundreds of small models.
+os.environ.setdefault("KVGRAPH_CPP_WRAPPER", "0")
 
 
 @pytest.fixture(autouse=True)

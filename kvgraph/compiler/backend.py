@@ -86,6 +86,10 @@ if TYPE_CHECKING:
     from kvgraph.passes.pipeline import LoweringResult
 
 InnerCompiler = str | Callable[[torch.fx.GraphModule, list], Callable]
+CPP_WRAPPER_ENV = "KVGRAPH_CPP_WRAPPER"
+"""``1`` or ``0``: the wrapper language of graphs whose ``cpp_wrapper`` is ``None`` (default: C++ on
+the CPU). A suite that compiles many small models may keep the Python wrapper: each C++ one is a
+compile of seconds."""
 OPTIONS = ("inner", "prune_logits", "dump", "freeze_weights", "windows", "packed_linears", "cpp_wrapper")
 
 
@@ -127,9 +131,15 @@ class BackendOptions:
     cpp_wrapper: bool | None = None
 
     def wrapper_in_cpp(self, device: torch.device) -> bool:
-        """Whether Inductor writes the wrapper of a graph run on ``device`` in C++: ``cpp_wrapper``,
-        or where that is ``None``, on the CPU only (the C++ wrapper's CUDA path is untested here)."""
-        return device.type == "cpu" if self.cpp_wrapper is None else self.cpp_wrapper
+        """Whether Inductor writes the wrapper of a graph run on ``device`` in C++: ``cpp_wrapper``;
+        where that is ``None``, ``KVGRAPH_CPP_WRAPPER`` (``1`` or ``0``) when set, else on the CPU
+        only (the C++ wrapper's CUDA path is untested here)."""
+        if self.cpp_wrapper is not None:
+            return self.cpp_wrapper
+        env = os.environ.get(CPP_WRAPPER_ENV, "")
+        if env not in ("", "0", "1"):
+            raise ConfigError(f"{CPP_WRAPPER_ENV} must be 1 or 0 (or unset), got {env!r}")
+        return env == "1" if env else device.type == "cpu"
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
