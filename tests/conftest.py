@@ -54,3 +54,19 @@ def graph_threads(monkeypatch) -> list[int]:
     monkeypatch.setattr(backend.LoweredGraph, "__call__", spy_call)
     monkeypatch.setattr(precompiled.SerializableRunner, "run", spy_run)
     return seen
+
+
+@pytest.fixture
+def cpp_entries(monkeypatch) -> list:
+    """The C++ wrappers Inductor's generated modules load (``CppWrapperCodeCache.load_pybinding``)."""
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    loaded = []
+    original = CppWrapperCodeCache.load_pybinding.__func__
+
+    def load_pybinding(cls, *args, **kwargs):
+        loaded.append(args)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(load_pybinding))
+    return loaded

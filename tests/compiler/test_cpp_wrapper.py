@@ -4,7 +4,6 @@ later model loads the precompiled C++ graphs."""
 
 import pytest
 import torch
-from torch._inductor.codecache import CppWrapperCodeCache
 
 import kvgraph
 from kvgraph.compiler.backend import CPP_WRAPPER_ENV, _placeholders_as_dynamos
@@ -12,20 +11,6 @@ from tests.compiler.test_precompiled import ONE, _StepLogits, fresh_model
 from tests.compiler.toy import decode, manager
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-
-
-@pytest.fixture
-def cpp_entries(monkeypatch) -> list:
-    """The C++ wrappers Inductor's generated modules load (``CppWrapperCodeCache.load_pybinding``)."""
-    loaded = []
-    original = CppWrapperCodeCache.load_pybinding.__func__
-
-    def load_pybinding(cls, *args, **kwargs):
-        loaded.append(args)
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(load_pybinding))
-    return loaded
 
 
 def test_steps_match_eager_and_a_later_model_loads_the_cpp_graphs(tmp_path, cpp_entries):

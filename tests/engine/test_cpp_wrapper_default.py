@@ -4,7 +4,6 @@ points, int8 weights give the Python wrapper's tokens, and ``KVGRAPH_CPP_WRAPPER
 
 import pytest
 import torch
-from torch._inductor.codecache import CppWrapperCodeCache
 
 import kvgraph
 from kvgraph import LLM, SamplingParams
@@ -14,18 +13,11 @@ from tests.engine.test_quantization import SCHEME, bf16, token_stream
 
 
 @pytest.fixture
-def cpp_entries(monkeypatch) -> list:
-    """The default restored (no ``KVGRAPH_CPP_WRAPPER``), and the C++ wrappers Inductor loads."""
+def cpp_entries(cpp_entries, monkeypatch) -> list:
+    """The C++ wrappers Inductor loads (``tests/conftest.py``), with the default restored: no
+    ``KVGRAPH_CPP_WRAPPER``."""
     monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
-    loaded = []
-    original = CppWrapperCodeCache.load_pybinding.__func__
-
-    def load_pybinding(cls, *args, **kwargs):
-        loaded.append(args)
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(load_pybinding))
-    return loaded
+    return cpp_entries
 
 
 @pytest.mark.slow
