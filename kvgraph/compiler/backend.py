@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import os
 import threading
@@ -252,8 +253,7 @@ class GraphRunner:
             compiled = copy_graph_module(gm)
             call_cpu_kernel_directly(compiled)
         try:
-            with _inductor_config(self.options, layout.device):
-                fn = _compile_inner(self.options.inner, compiled, example_inputs)
+            fn = _compile_or_python_wrapper(self.options, compiled, example_inputs, layout.device)
         except exceptions_allowed_to_be_fallback as e:
             # Dynamo would run the unlowered model instead, ignoring the cache: refuse.
             raise LoweringError(
@@ -374,6 +374,30 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _example_value(node: torch.fx.Node):
     return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
+
+
+def _compile_or_python_wrapper(options: BackendOptions, gm: torch.fx.GraphModule, example_inputs: Sequence,
+                               device: torch.device) -> Callable:
+    """The inner compile of ``gm`` under :func:`_inductor_config`. Where the C++ wrapper is only the
+    default (``cpp_wrapper=None``) and its compile fails, a warning, and the graph compiled again
+    (a copy taken before the first try) with the Python wrapper: an optimisation never costs the
+    user the model. A C++ wrapper asked for (``cpp_wrapper=True``) raises as it failed."""
+    fallback = None
+    if options.inner == "inductor" and options.cpp_wrapper is None and options.wrapper_in_cpp(device):
+        fallback = copy_graph_module(gm)
+    try:
+        with _inductor_config(options, device):
+            return _compile_inner(options.inner, gm, example_inputs)
+    except Exception as e:
+        if fallback is None:
+            raise
+        warnings.warn(
+            f"kvgraph: Inductor's C++ wrapper failed on this graph ({type(e).__name__}: {e}); compiled with its "
+            "Python wrapper instead (cpp_wrapper=False, --cpp-wrapper off or KVGRAPH_CPP_WRAPPER=0 skips the try)",
+            RuntimeWarning, stacklevel=2,
+        )
+        with _inductor_config(dataclasses.replace(options, cpp_wrapper=False), device):
+            return _compile_inner(options.inner, fallback, example_inputs)
 
 
 def _graph_device(gm: torch.fx.GraphModule) -> torch.device | None:

@@ -49,7 +49,8 @@ class EngineConfig:
         cpp_wrapper: have Inductor write each graph's wrapper (what calls its kernels) in C++
             instead of Python (its ``cpp_wrapper``): a step's Python calls go, for a C++ compile
             of the wrapper when a graph is compiled (precompiled files keep it). ``None`` (the
-            default): in C++ on the CPU, in Python on CUDA. On the Zen 4 host of
+            default): in C++ on the CPU (in Python, with a warning, for a graph whose C++ wrapper
+            fails to compile), in Python on CUDA; ``KVGRAPH_CPP_WRAPPER`` overrides it. On the Zen 4 host of
             ``benchmarks/RESULTS.md``: batch-1 ``llama-tiny`` 1.12-1.23x, ``llama-56m`` fp32 at 32
             sequences 1.02-1.08x, batch-1 int8 ``llama-56m`` 1.07-1.17x once loaded.
         device: where the model runs (a ``torch.device`` once made); ``None``: CUDA when available,

@@ -45,3 +45,32 @@ def test_kvgraphs_placeholders_keep_their_fake_values_as_dynamo_does():
     x.meta["val"] = fake
     _placeholders_as_dynamos(gm)
     assert "val" not in x.meta and x.meta["example_value"] is fake
+
+
+@pytest.fixture
+def cpp_compile_fails(monkeypatch):
+    """The inner compile raises whenever Inductor is set to write a C++ wrapper."""
+    from kvgraph.compiler import backend
+
+    monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
+    compile_inner = backend._compile_inner
+
+    def failing(inner, gm, example_inputs):
+        if torch._inductor.config.cpp_wrapper:
+            raise RuntimeError("no C++ compiler here")
+        return compile_inner(inner, gm, example_inputs)
+
+    monkeypatch.setattr(backend, "_compile_inner", failing)
+
+
+def test_a_default_cpp_wrapper_that_fails_falls_back_to_the_python_one(cpp_compile_fails, cpp_entries):
+    compiled = kvgraph.compile(fresh_model(), manager=manager())
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ wrapper failed.*no C\+\+ compiler here.*Python wrapper"):
+        decode(_StepLogits(compiled), compiled.manager, steps=2, prompts=ONE)  # every step checked against eager
+    assert cpp_entries == []
+
+
+def test_a_cpp_wrapper_asked_for_fails_as_it_failed(cpp_compile_fails):
+    compiled = kvgraph.compile(fresh_model(), manager=manager(), cpp_wrapper=True)
+    with pytest.raises(Exception, match="no C\\+\\+ compiler here"):
+        decode(_StepLogits(compiled), compiled.manager, steps=1, prompts=ONE)

@@ -158,7 +158,8 @@ def test_stats_report_the_documented_figures(llm):
     assert stats["kv_pages_used"] == 0 and stats["kv_pages_free"] == POOL_PAGES
     assert stats["kv_pages_peak"] == 4 and 0 <= stats["kv_waste"] < 1
     assert stats["compiled_graphs"] >= 1 and stats["preemptions"] == 0
-    assert stats["threads"] == torch.get_num_threads() and stats["thread_changes"] >= 0
+    # the governor follows the cores other processes leave free: fewer threads on a busy host
+    assert 1 <= stats["threads"] <= torch.get_num_threads() and stats["thread_changes"] >= 0
 
 
 def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
