@@ -2,7 +2,7 @@
 one (what the first left on disk), for each ``--freeze`` and ``--precompile`` setting, each start a
 fresh process.
 
-    python benchmarks/startup.py --model llama-56m --freeze auto --precompile on,off [--cpp-wrapper off,on]
+    python benchmarks/startup.py --model llama-56m --freeze auto --precompile on,off [--cpp-wrapper auto,off,on]
 
 A start of a setting is two processes, each timed from its launch:
 
@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--model", default="llama-56m")
     parser.add_argument("--freeze", default="auto", help="comma-separated: on, off, auto")
     parser.add_argument("--precompile", default="on,off", help="comma-separated: on, off")
-    parser.add_argument("--cpp-wrapper", default="off",
-                        help="comma-separated: off, on (Inductor's C++ wrapper, --cpp-wrapper)")
+    parser.add_argument("--cpp-wrapper", default="auto",
+                        help="comma-separated: auto (the engine's default: C++ on the CPU), on, off "
+                        "(Inductor's C++ or Python wrapper, --cpp-wrapper)")
     parser.add_argument("--serve-first", action="store_true",
                         help="also a serve process on an empty cache (compiling in the background) and a "
                         "second one on what its compile worker wrote")
@@ -105,9 +106,9 @@ def main() -> None:
     for freeze, precompile, cpp_wrapper in settings:
         flags = ["--freeze-weights", freeze, "--precompile" if precompile == "on" else "--no-precompile"]
         name = f"freeze_{freeze}_precompile_{precompile}"
-        if cpp_wrapper == "on":
-            flags.append("--cpp-wrapper")
-            name += "_cpp_wrapper"
+        if cpp_wrapper != "auto":
+            flags += ["--cpp-wrapper", cpp_wrapper]
+            name += f"_cpp_wrapper_{cpp_wrapper}"
         with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
             results[name] = {"first": start(args.model, flags, cache_dir, serve=False),
                              "second": start(args.model, flags, cache_dir, serve=True)}
