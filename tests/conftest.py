@@ -14,9 +14,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Inductor's Python wrapper unless a test asks for C++ (tests/compiler/test_cpp_wrapper.py and the
-# tests marked cpp_wrapper): each C++ wrapper is a compile of seconds, and the suite compiles
-# hundreds of small models.
+# Inductor's Python wrapper unless a test asks for C++ (tests/compiler/test_cpp_wrapper.py,
+# tests/engine/test_cpp_wrapper_default.py): each C++ wrapper is a compile of seconds, and the
+# suite compiles hundreds of small models.
 os.environ.setdefault("KVGRAPH_CPP_WRAPPER", "0")
 
 

@@ -1,6 +1,6 @@
 """The engine's default on the CPU, Inductor's C++ wrapper (the suite otherwise keeps the Python one,
-``tests/conftest.py``): greedy outputs equal Hugging Face's, every step goes through C++ entry
-points, int8 weights give the Python wrapper's tokens, and ``KVGRAPH_CPP_WRAPPER`` is checked."""
+``tests/conftest.py``): greedy outputs equal Hugging Face's, each compiled graph's wrapper is
+C++, int8 weights give the Python wrapper's tokens, and ``KVGRAPH_CPP_WRAPPER`` is checked."""
 
 import pytest
 import torch
