@@ -62,10 +62,9 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-FREEZE_CHOICES = {"auto": None, "on": True, "off": False}
-"""``--freeze-weights`` values -> ``EngineConfig.freeze_weights``."""
-CPP_WRAPPER_CHOICES = {"auto": None, "on": True, "off": False}
-"""``--cpp-wrapper`` values (a bare ``--cpp-wrapper`` is ``on``) -> ``EngineConfig.cpp_wrapper``."""
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+"""Values of the flags that name a setting or leave it to the engine (``--freeze-weights``,
+``--cpp-wrapper``, where a bare ``--cpp-wrapper`` is ``on``) -> ``EngineConfig``'s ``None``/``True``/``False``."""
 
 
 def _default(field: str) -> object:
@@ -104,7 +103,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per schedule (default %(default)s)")
     g.add_argument("--compile", choices=COMPILE_MODES, default=_default("compile"),
                    help="what runs the lowered graph (default %(default)s)")
-    g.add_argument("--freeze-weights", choices=list(FREEZE_CHOICES), default="auto",
+    g.add_argument("--freeze-weights", choices=list(AUTO_ON_OFF), default="auto",
                    help="compile the weights in as constants (Inductor's freezing): on, off, or auto: "
                    "off where kvgraph packs every linear layer itself (float32 on the CPU), else on "
                    "(default %(default)s)")
@@ -112,7 +111,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-packed-linears", action="store_true",
                    help="leave float32 linear layers on the CPU to Inductor (oneDNN) instead of "
                    "kvgraph::linear (MKL's packed GEMM)")
-    g.add_argument("--cpp-wrapper", choices=list(CPP_WRAPPER_CHOICES), nargs="?", const="on", default="auto",
+    g.add_argument("--cpp-wrapper", choices=list(AUTO_ON_OFF), nargs="?", const="on", default="auto",
                    help="have Inductor write each graph's wrapper in C++ instead of Python (fewer "
                    "Python calls a step; a C++ compile when a graph is compiled): on, off, or auto: "
                    "on for the CPU, off for CUDA (default %(default)s)")
@@ -164,12 +163,12 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 FLAG_READERS: dict[str, Callable[[argparse.Namespace], object]] = {
     "cache_strategy": lambda args: args.cache,
     "enable_prefix_caching": lambda args: not args.no_prefix_caching,
-    "freeze_weights": lambda args: False if args.no_freeze_weights else FREEZE_CHOICES[args.freeze_weights],
+    "freeze_weights": lambda args: False if args.no_freeze_weights else AUTO_ON_OFF[args.freeze_weights],
     "packed_linears": lambda args: not args.no_packed_linears,
     "dtype": lambda args: DTYPES.get(args.dtype),
     "adaptive_threads": lambda args: args.adaptive_threads,
     "kv_cache_dtype": lambda args: KV_CACHE_DTYPES[args.kv_cache_dtype],
-    "cpp_wrapper": lambda args: CPP_WRAPPER_CHOICES[args.cpp_wrapper],
+    "cpp_wrapper": lambda args: AUTO_ON_OFF[args.cpp_wrapper],
 }
 """How the ``EngineConfig`` fields whose flag has another name or meaning are read from the parsed
 flags; every other field is the flag of its own name (``--page-size`` is ``page_size``)."""
