@@ -46,7 +46,11 @@ def main(argv: list[str]) -> int:
         payload.unlink(missing_ok=True)
     model, config = record["model"], record["config"]
     materialize(model, torch.device(config.device))
-    engine = LLMEngine(model, replace(config, background_compile=False, progress=False))
+    # The model comes cast and quantized already (an int8 layer's weight is a buffer, which comes
+    # with its values), and unfrozen: the settings where precompiled files apply.
+    settings = replace(config, background_compile=False, progress=False, dtype=None, quantization=None,
+                       quantize_lm_head=False, freeze_weights=False)
+    engine = LLMEngine(model, settings)
     try:
         took = engine.warmup()
     finally:

@@ -155,3 +155,24 @@ def test_the_switch_calls_the_compiled_model_and_names_inductor(code, files, war
             assert switching.generation == 1
     assert switching() == "compiled" and switching.generation == 1
     assert progress.inner == "inductor" and worker.stopped and switching.worker is None
+
+
+def test_the_worker_compiles_an_int8_model_as_the_engine_cast_and_quantized_it(fresh_cache):
+    """The worker gets the model in its dtype with its int8 layers: it neither casts it (the
+    layers' float32 scales would become bfloat16) nor quantizes it again (it has no nn.Linear left)."""
+    settings = dict(SETTINGS, dtype=torch.bfloat16, quantization="int8-weight-only", quantize_lm_head=True)
+    reference = LLM("llama-tiny", precompile=False, **settings)  # compiled in this process, nothing written
+    try:
+        expected = [c.token_ids for c in reference.generate(PROMPTS, GREEDY)]
+    finally:
+        reference.close()
+    llm = LLM("llama-tiny", background_compile=True, **settings)
+    try:
+        worker = llm.compiled.worker
+        assert llm.wait_for_compile(timeout=600)
+        assert worker.process.poll() == 0
+        assert llm.startup_note().startswith("2 graphs loaded whole from precompiled files")
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == expected
+        assert llm.stats()["recompiles"] == 0
+    finally:
+        llm.close()
