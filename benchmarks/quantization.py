@@ -10,8 +10,8 @@ int8 model, unquantized: what quantization alone changes), ``int8`` (``quantizat
 same seeded weights, compiled with Inductor, its weights frozen or not as the engine decides by
 default (``kvgraph.engine.config.resolve_freeze_weights``: fp32 and ``int8+lm_head`` unfrozen, the
 others frozen) unless named otherwise, and warmed up
-before anything is timed (``LLM.warmup``: both graphs, ``T > 1`` and ``T == 1``, compiled; its
-seconds are reported as ``warmup_s``, not timed).
+before anything is timed (``LLM.warmup``: its graphs compiled, one for ``T >= 1`` where the model
+is precompiled, else ``T > 1`` and ``T == 1``; its seconds are reported as ``warmup_s``, not timed).
 
 1. ``decode``: batch-1 decode of one 32-token prompt for ``--decode-tokens`` tokens; the variants take
    turns in every repeat (fp32, bf16, int8, ..., then again), and each run's decode tokens/s comes
@@ -119,7 +119,7 @@ def main() -> None:
         engines[name] = LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
                             progress=False, **VARIANTS[name])
         warmup = engines[name].warmup()
-        log(f"{name}: built in {time.perf_counter() - start:.1f} s, warm-up (both graphs compiled) {warmup:.1f} s")
+        log(f"{name}: built in {time.perf_counter() - start:.1f} s, warm-up (graphs compiled) {warmup:.1f} s")
         report["variants"][name] = {
             "warmup_s": round(warmup, 1), "weight_bytes": weight_bytes(engines[name].model),
             "quality": quality(engines[name].model, reference, tokens(STREAM_TOKENS, vocab, seed=1)),

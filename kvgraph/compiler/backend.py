@@ -515,11 +515,17 @@ class CompiledModel:
                 f"inner={backend.options.inner!r}, freeze_weights={backend.options.freeze_weights}"
             )
         self.precompile = precompile
+        self.one_graph = precompile is not None and _on_cpu(model)
+        """Whether steps of one new token run on the graph of several (a precompiled model on the
+        CPU) instead of a graph of their own (Dynamo specialises a token count of 1): the same speed
+        there (``benchmarks/one_graph.py``), and one graph to compile and load instead of two. Set
+        it before the first call to choose otherwise."""
         self.loaded_graphs = 0
         """Graphs read from ``precompile``'s files (no trace, no compile)."""
         self.written_graphs = 0
         """Graphs captured ahead of time, compiled and written to ``precompile``'s files."""
         self._precompiled: dict[str, Callable] = {}
+        self._not_precompiled: set[str] = set()  # shape classes that could not be captured ahead of time
         self._direct: dict[str, DirectCall] = {}
         if backend.options.inner == "inductor" and _on_cpu(model):
             probe_in_background()  # Inductor's CPU ISA probes compile beside Dynamo's trace, not after it
@@ -534,9 +540,9 @@ class CompiledModel:
         """Run the model on one ragged step: ``input_ids [1, T]``, ``position_ids [1, T]``, ...
 
         Every tensor argument of shape ``[1, T, ...]`` has its token axis marked dynamic, so
-        steps of any token count share one graph (``T == 1`` gets its own: Dynamo
-        specialises sizes 0 and 1). Returns the model's own output type; with pruned logits
-        they are ``[1, batch, V]``.
+        steps of any token count share one graph (``T == 1`` gets its own: Dynamo specialises
+        sizes 0 and 1; except with ``one_graph``, where it runs on that one too). Returns the
+        model's own output type; with pruned logits they are ``[1, batch, V]``.
         """
         return self._forward(args, kwargs, logits_only=False)
 
@@ -552,8 +558,10 @@ class CompiledModel:
             kwargs = without_hf_cache(kwargs)
         tokens = [value for value in (*args, *kwargs.values()) if _is_token_tensor(value)]
         if self.precompile is not None:
-            shape_class = SHAPE_CLASSES[1] if any(t.shape[1] == 1 for t in tokens) else SHAPE_CLASSES[0]
-            run = self._precompiled.get(shape_class) or self._first_precompiled(shape_class, args, kwargs)
+            shape_class = self._shape_class(any(t.shape[1] == 1 for t in tokens))
+            run = self._precompiled.get(shape_class)
+            if run is None and shape_class not in self._not_precompiled:
+                run = self._first_precompiled(shape_class, args, kwargs)
             if run is not None:
                 if logits_only:
                     return self._direct[shape_class](self.model, **kwargs)
@@ -567,14 +575,29 @@ class CompiledModel:
                 out = self.module(*args, **kwargs)
         return model_logits(out) if logits_only else out
 
+    @property
+    def one_token_on_several(self) -> bool:
+        """Whether a step of one new token runs on the graph of several tokens (which its first call
+        compiles or loads if no step of several came before)."""
+        return self.one_graph and SHAPE_CLASSES[0] not in self._not_precompiled
+
+    @property
+    def shape_classes(self) -> tuple[str, ...]:
+        """The precompiled graphs' shape classes, each a graph and a file of its own."""
+        return SHAPE_CLASSES[:1] if self.one_graph else SHAPE_CLASSES
+
+    def _shape_class(self, one_token: bool) -> str:
+        """The shape class whose graph runs steps of one new token (or of several)."""
+        return SHAPE_CLASSES[int(one_token and not self.one_graph)]
+
     def precompiled(self, one_token: bool) -> bool:
         """Whether steps of one new token (or of several) run a precompiled graph, installed by
         an earlier call, without Dynamo's frame evaluation."""
-        return SHAPE_CLASSES[int(one_token)] in self._precompiled
+        return self._shape_class(one_token) in self._precompiled
 
     def has_precompiled(self, one_token: bool) -> bool:
-        """Whether the graph of steps of one new token (or of several) has a precompiled file to load."""
-        return self.precompile is not None and self.precompile.path(SHAPE_CLASSES[int(one_token)]).is_file()
+        """Whether the graph that runs steps of one new token (or of several) has a precompiled file to load."""
+        return self.precompile is not None and self.precompile.path(self._shape_class(one_token)).is_file()
 
     def _first_precompiled(self, shape_class: str, args: tuple, kwargs: dict) -> Callable | None:
         """The graph of ``shape_class`` read from its file, or captured ahead of time, compiled and
@@ -585,6 +608,8 @@ class CompiledModel:
         calls of the same shape class do not, as under ``skip_guard_eval_unsafe``: the engine alone
         feeds the model, always the same kinds of tensors."""
         store = self.precompile
+        if shape_class == SHAPE_CLASSES[0]:  # a step of one token may come first: shown its graph as one of two
+            args, kwargs = tuple(_two_tokens(a) for a in args), {k: _two_tokens(v) for k, v in kwargs.items()}
         compiled = store.load(shape_class)
         if compiled is not None:
             if compiled.guard_check(self.model, *args, **kwargs):
@@ -605,6 +630,7 @@ class CompiledModel:
             warnings.warn(f"kvgraph could not precompile the {shape_class} graph of {type(self.model).__name__} "
                           f"({type(e).__name__}: {e}); compiling it without writing it to disk", RuntimeWarning,
                           stacklevel=3)
+            self._not_precompiled.add(shape_class)
             return None
         finally:
             self.backend.serializable = False
@@ -622,6 +648,15 @@ class CompiledModel:
 def _is_token_tensor(value: object) -> bool:
     """Whether ``value`` is a ``[1, T, ...]`` tensor: an argument whose axis 1 is the step's tokens."""
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1
+
+
+def _two_tokens(value: object) -> object:
+    """A ``[1, 1, ...]`` tensor repeated to ``[1, 2, ...]`` (an example of a step of several tokens
+    for the graph's guards and capture, never run); anything else as it is."""
+    if not (_is_token_tensor(value) and value.shape[1] == 1):
+        return value
+    with torch.inference_mode(value.is_inference()):  # the same dispatch keys, which Dynamo guards
+        return torch.cat([value, value], dim=1)
 
 
 def _marked_copy(value: object) -> object:

@@ -224,5 +224,9 @@ class CompilingInBackground:
     def windows_known(self) -> bool:
         return self._current.windows_known
 
+    @property
+    def one_token_on_several(self) -> bool:
+        return getattr(self._current, "one_token_on_several", False)
+
     def has_precompiled(self, one_token: bool) -> bool:
         return self._current is self.compiled and self.compiled.has_precompiled(one_token)

@@ -54,6 +54,10 @@ def _locked(method):
     return wrapper
 
 
+def _graphs(n: int) -> str:
+    return f"{n} graph" if n == 1 else f"{n} graphs"
+
+
 class LLMEngine:
     """Generate text with continuous batching over a paged (or continuous) KV cache.
 
@@ -465,25 +469,26 @@ class LLMEngine:
         (an earlier process compiled them with the same model and settings), compiled afresh, or both."""
         hits, misses, loaded = self.runner.cache_hits, self.runner.cache_misses, self.runner.loaded_graphs
         if self.compiling_in_background:
-            return (f"{self.runner.warmup_graphs} graphs lowered and run uncompiled while compile worker "
-                    f"{self.compiled.worker.pid} compiles them with Inductor; loaded when it is done")
+            return (f"{_graphs(self.runner.warmup_graphs)} lowered and run uncompiled while compile worker "
+                    f"{self.compiled.worker.pid} compiles with Inductor; loaded when it is done")
         parts = []
         if loaded:
-            parts.append(f"{loaded} graphs loaded whole from precompiled files, no trace")
+            parts.append(f"{_graphs(loaded)} loaded whole from precompiled files, no trace")
         if self.runner.written_graphs:
-            parts.append(f"{self.runner.written_graphs} graphs compiled and written to precompiled files")
+            parts.append(f"{_graphs(self.runner.written_graphs)} compiled and written to precompiled files")
         if hits + misses:
             reuse = "reused from Inductor's on-disk cache" if not misses else (
                 "compiled afresh" if not hits
                 else f"{hits} reused from Inductor's on-disk cache, {misses} compiled afresh")
-            parts.append(f"{hits + misses} graphs {reuse}")
+            parts.append(f"{_graphs(hits + misses)} {reuse}")
         if not parts:
-            return f"{self.runner.warmup_graphs} graphs, none through Inductor"
+            return f"{_graphs(self.runner.warmup_graphs)}, none through Inductor"
         return "; ".join(parts)
 
     def warmup(self) -> float:
         """Compile ahead of serving: run throwaway requests that cover the graphs Dynamo
-        specialises (several tokens per step; one token per step, ``T == 1``), then reset
+        specialises (several tokens per step; one token per step, ``T == 1``, which a precompiled
+        model on the CPU runs on the graph of several: ``CompiledModel.one_graph``), then reset
         the stats, so that the first real request runs at full speed. Without it the first
         requests wait for the compile. Returns the seconds it took."""
         start = time.perf_counter()

@@ -1,9 +1,10 @@
 """What the engine shows while a model call compiles: the graph, the stage, the seconds so far.
 
 The first step of each shape class (several new tokens, ``T > 1``; one token, ``T == 1``, which
-Dynamo specialises) compiles a graph: Dynamo captures the model, kvgraph's passes lower its
-attention onto the KV cache, the inner compiler (Inductor) generates code, and the first run
-may build the C++ CPU attention kernel. :class:`CompileProgress` follows these stages through
+Dynamo specialises, except where a precompiled model on the CPU runs it on the graph of several)
+compiles a graph: Dynamo captures the model, kvgraph's passes lower its attention onto the KV
+cache, the inner compiler (Inductor) generates code, and the first run may build the C++ CPU
+attention kernel. :class:`CompileProgress` follows these stages through
 the backend's ``dump`` hook and shows them on a stream (stderr): on a terminal one line with a
 spinner redrawn in place, elsewhere one line per stage.
 """
@@ -66,8 +67,9 @@ class CompileProgress:
                       "(with --no-precompile, or frozen weights, it compiles again, faster from Inductor's "
                       "on-disk cache)")
         self._write(
-            "kvgraph: the first step with several new tokens (T > 1) and the first with one (T == 1) each "
-            f"compile a graph: Dynamo capture, attention lowering, {self.inner}. {reuse}.\n"
+            f"kvgraph: the first step compiles a graph: Dynamo capture, attention lowering, {self.inner}. A "
+            "precompiled model on the CPU runs every step on it; elsewhere the first step of one new token "
+            f"(T == 1) compiles a second. {reuse}.\n"
         )
 
     @contextmanager

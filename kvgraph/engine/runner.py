@@ -106,16 +106,21 @@ class ModelRunner:
         first = one_token not in self._seen
         self._seen.add(one_token)
         show = None
-        if first and self.progress is not None:
-            label = f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})"
-            precompiled = getattr(self.compiled, "has_precompiled", None)
-            loads = precompiled is not None and precompiled(one_token)
+        installed = getattr(self.compiled, "precompiled", None)
+        if first and self.progress is not None and not (installed is not None and installed(one_token)):
+            on_file = getattr(self.compiled, "has_precompiled", None)
+            loads = on_file is not None and on_file(one_token)
+            if getattr(self.compiled, "one_token_on_several", False):
+                label = "the graph of every token count (T >= 1)"
+            else:
+                label = f"graph {len(self._seen)} of 2 ({SHAPE_CLASSES[one_token]})"
             show = self.progress.loading(label) if loads else self.progress.compiling(label)
         graphs, start = compiled_graphs(self.compiled), time.perf_counter()
         loaded, written = getattr(self.compiled, "loaded_graphs", 0), getattr(self.compiled, "written_graphs", 0)
         hits, misses = _inductor_cache_counts()
         with show or contextlib.nullcontext(), torch.inference_mode():
-            if one_token and first and not getattr(self.compiled, "windows_known", True):
+            if (one_token and first and not getattr(self.compiled, "windows_known", True)
+                    and not getattr(self.compiled, "one_token_on_several", False)):
                 # One token shows no sliding window wider than itself and the model's config gave
                 # none: lower the several-token graph first, whose windows the one-token graph takes.
                 self._several_token_graph()

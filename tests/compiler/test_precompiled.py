@@ -29,22 +29,51 @@ def fresh_model():
 
 
 ONE = [[5, 9, 2, 7, 1]]
-"""One sequence: its prefill runs the several-token graph and its decodes the one-token graph."""
+"""One sequence: its prefill is a step of several tokens and its decodes steps of one."""
 
 
-def test_a_second_model_loads_both_graphs_without_tracing(tmp_path):
+def test_a_second_model_loads_the_graph_of_every_step_without_tracing(tmp_path):
     first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    assert first.one_graph and first.shape_classes == SHAPE_CLASSES[:1]
     decode(first, first.manager, prompts=ONE)  # prefill (T > 1), decodes (T == 1): checked against eager
-    assert first.loaded_graphs == 0 and first.written_graphs == 2
-    assert sorted(p.name.split("-", 1)[1] for p in tmp_path.glob("*.bin")) == sorted(f"{c}.bin" for c in SHAPE_CLASSES)
+    assert first.loaded_graphs == 0 and first.written_graphs == 1
+    assert [p.name.split("-", 1)[1] for p in tmp_path.glob("*.bin")] == [f"{SHAPE_CLASSES[0]}.bin"]
     traced = counters["kvgraph"]["graphs"]
-    assert traced == 2
+    assert traced == 1  # the decodes ran on the prefill's graph: no graph specialised to T == 1
 
     second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     decode(second, second.manager, steps=3, prompts=ONE)
     decode(second, second.manager)  # three sequences: T == 3 in the same graph
-    assert second.loaded_graphs == 2
+    assert second.loaded_graphs == 1
     assert counters["kvgraph"]["graphs"] == traced  # Dynamo handed the backend no graph: nothing traced
+
+
+def test_a_first_step_of_one_token_compiles_the_graph_of_every_step(tmp_path):
+    """Shown two tokens for its guards and capture, never run on them."""
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    decode(first, first.manager, steps=3, prompts=[[7]])  # T == 1 from the first step
+    decode(first, first.manager)  # then steps of several tokens on the same graph
+    assert first.written_graphs == 1 and counters["kvgraph"]["graphs"] == 1
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    steps = _StepLogits(second)  # the engine's calls: the graph's arguments gathered directly once checked
+    decode(steps, second.manager, steps=2, prompts=[[7]])  # a T == 1 call passes the loaded graph's guards
+    decode(steps, second.manager)  # T = 6 after T = 1: the token count told from constants
+    assert second.loaded_graphs == 1 and second.written_graphs == 0
+    assert second._direct["tokens"].direct and second._direct["tokens"].refused is None
+
+
+def test_steps_of_one_token_can_keep_a_graph_of_their_own(tmp_path):
+    """``one_graph = False`` before the first call: Dynamo's graph specialised to T == 1, a second file."""
+    first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    first.one_graph = False
+    decode(first, first.manager, prompts=ONE)
+    assert first.written_graphs == 2 and counters["kvgraph"]["graphs"] == 2
+    assert sorted(p.name.split("-", 1)[1] for p in tmp_path.glob("*.bin")) == sorted(f"{c}.bin" for c in SHAPE_CLASSES)
+    second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    second.one_graph = False
+    decode(second, second.manager, steps=3, prompts=ONE)
+    assert second.loaded_graphs == 2 and counters["kvgraph"]["graphs"] == 2
+    assert second.precompiled(True) and second.precompiled(False)  # each class its own loaded graph
 
 
 class _StepLogits:
@@ -67,11 +96,11 @@ def test_steps_call_the_loaded_graphs_directly_once_their_arguments_are_checked(
     decode(first, first.manager, prompts=ONE)
     second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     steps = _StepLogits(second)
-    decode(steps, second.manager, steps=3, prompts=ONE)  # T = 5, then three steps of T = 1: checked against eager
-    assert second.loaded_graphs == 2
-    assert second._direct["one-token"].direct and not second._direct["tokens"].direct
-    decode(steps, second.manager)  # T = 6 (another count: its sizes are told from constants), then T = 3
-    assert all(d.direct and d.refused is None for d in second._direct.values())
+    decode(steps, second.manager, steps=3, prompts=[[2, 7]])  # T = 2, then three steps of T = 1: checked against eager
+    assert second.loaded_graphs == 1 and list(second._direct) == ["tokens"]
+    direct = second._direct["tokens"]
+    assert direct.direct and direct.refused is None  # T = 1 after T = 2: its sizes are told from constants
+    decode(steps, second.manager)  # T = 6, then T = 3
     for direct in second._direct.values():
         direct.compiled = _Refuses()
     for seq in range(second.manager.max_batch_size):
@@ -106,16 +135,17 @@ def test_a_damaged_file_is_set_aside_with_a_warning_and_written_again(tmp_path):
     second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     with pytest.warns(RuntimeWarning, match="set aside the precompiled tokens graph"):
         decode(second, second.manager, prompts=ONE)
-    assert second.loaded_graphs == 1  # the one-token graph was intact
+    assert second.loaded_graphs == 0 and second.written_graphs == 1
     assert tokens_file.stat().st_size > 1000  # compiled afresh and written again
 
     third = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     decode(third, third.manager, prompts=ONE)
-    assert third.loaded_graphs == 2
+    assert third.loaded_graphs == 1
 
 
 def test_a_graph_whose_guards_refuse_the_call_is_compiled_afresh(tmp_path):
     first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+    first.one_graph = False  # writes a graph specialised to T == 1 too
     decode(first, first.manager, prompts=ONE)
     store = first.precompile
     # The one-token graph, in the several-token graph's place: its guards want T == 1.
@@ -123,8 +153,8 @@ def test_a_graph_whose_guards_refuse_the_call_is_compiled_afresh(tmp_path):
 
     second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     with pytest.warns(RuntimeWarning, match="its guards refuse this call"):
-        decode(second, second.manager, prompts=ONE)
-    assert second.loaded_graphs == 1
+        decode(second, second.manager, steps=1, prompts=[[4]])  # T == 1 first: shown two tokens, refused
+    assert second.loaded_graphs == 0 and second.written_graphs == 1
 
 
 def test_precompile_needs_a_manager_inductor_and_unfrozen_weights(tmp_path):
@@ -159,8 +189,8 @@ def test_a_second_engine_process_starts_from_the_files_of_the_first(tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = start(), start()
-    assert first["note"] == "2 graphs compiled and written to precompiled files"
-    assert second["note"].startswith("2 graphs loaded whole from precompiled files")
+    assert first["note"] == "1 graph compiled and written to precompiled files"
+    assert second["note"].startswith("1 graph loaded whole from precompiled files")
     assert second["tokens"] == first["tokens"]
     assert first["recompiles"] == second["recompiles"] == 0
-    assert len(list((tmp_path / "kvgraph" / "precompiled").glob("*.bin"))) == 2
+    assert len(list((tmp_path / "kvgraph" / "precompiled").glob("*.bin"))) == 1

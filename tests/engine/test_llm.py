@@ -170,7 +170,7 @@ def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):
         (0, 2, 0, "2 graphs compiled afresh"),
         (1, 1, 0, "2 graphs 1 reused from Inductor's on-disk cache, 1 compiled afresh"),
         (0, 0, 2, "2 graphs loaded whole from precompiled files, no trace"),
-        (0, 1, 1, "1 graphs loaded whole from precompiled files, no trace; 1 graphs compiled afresh"),
+        (0, 1, 1, "1 graph loaded whole from precompiled files, no trace; 1 graph compiled afresh"),
     ]:
         runner.written_graphs = 2 if loaded == 0 and hits + misses == 0 else 0
         runner.cache_hits, runner.cache_misses, runner.loaded_graphs = hits, misses, loaded

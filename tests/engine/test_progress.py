@@ -30,7 +30,7 @@ def test_each_stage_is_a_line_when_the_stream_is_not_a_terminal():
     shown = CompileProgress("inductor", out)
     _compile_once(shown)
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("kvgraph: the first step with several new tokens (T > 1)")
+    assert lines[0].startswith("kvgraph: the first step compiles a graph")
     assert "faster from Inductor's on-disk cache" in lines[0]
     stages = [line.split(": ", 2)[2].rsplit(" (", 1)[0] for line in lines[1:4]]
     assert stages == [CAPTURE_STAGE, LOWER_STAGE, "compiling the lowered graph with inductor and running it once"]

@@ -77,6 +77,41 @@ def test_runner_counts_warm_up_graphs_apart_from_recompiles_and_labels_them_in_c
     ]
 
 
+class _OneGraph:
+    """A precompiled model on the CPU: its first call (of any token count) compiles the graph that
+    every later call runs."""
+
+    one_token_on_several = True
+
+    def __init__(self) -> None:
+        self.backend = type("Backend", (), {"runners": []})()
+
+    def precompiled(self, one_token: bool) -> bool:
+        return bool(self.backend.runners)
+
+    def has_precompiled(self, one_token: bool) -> bool:
+        return False
+
+    def __call__(self, input_ids, position_ids):
+        if not self.backend.runners:
+            self.backend.runners.append(input_ids.shape[1])
+        return torch.empty(1, 2, 10, device="meta")
+
+
+def test_a_model_with_one_graph_for_every_token_count_shows_one_compile():
+    import io
+
+    from kvgraph.engine.progress import CompileProgress
+
+    out = io.StringIO()
+    runner = ModelRunner(_OneGraph(), CompileProgress("inductor", out))
+    for tokens in (1, 4, 1, 9):
+        runner(*_meta_step(tokens, 2))
+    assert (runner.warmup_graphs, runner.recompiles) == (1, 0)
+    done = [line.split(" in ")[0] for line in out.getvalue().splitlines() if line.startswith("kvgraph: compiled ")]
+    assert done == ["kvgraph: compiled the graph of every token count (T >= 1)"]
+
+
 class _GuardedModel:
     """A compiled model that, under ``skip_guard_eval_unsafe``, raises what Dynamo raises for a call
     that would compile (``compile_next`` set), and records the stance of every call."""

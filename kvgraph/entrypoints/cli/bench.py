@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     results = [kvgraph]
     stats = llm.stats()
     log(f"kvgraph: {kvgraph.tokens_per_s:.1f} tok/s over {len(call_shapes)} model calls "
-        f"({stats['warmup_graphs']} graphs compiled in warm-up, {stats['recompiles']} recompiles after it)")
+        f"({stats['warmup_graphs']} graph{'' if stats['warmup_graphs'] == 1 else 's'} compiled in warm-up, "
+        f"{stats['recompiles']} recompiles after it)")
     floor_s = None
     if not args.no_floor:
         floor_s = matmul_floor(model, call_shapes)

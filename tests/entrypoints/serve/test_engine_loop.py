@@ -138,7 +138,7 @@ def test_an_idle_engine_loads_its_compile_workers_graphs_before_any_request(tmp_
         loop = Loop(llm)
         llm.compiled.wait(600)
         deadline = time.monotonic() + 60
-        while llm.runner.loaded_graphs < 2:
+        while llm.runner.loaded_graphs < 1:  # one graph runs every step
             assert time.monotonic() < deadline, "the idle loop did not load the worker's graphs"
             time.sleep(0.1)
         assert llm.stats()["steps"] == 0  # the throwaway requests that loaded them are not counted
