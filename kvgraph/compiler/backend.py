@@ -421,7 +421,8 @@ def _inductor_config(options: BackendOptions, device: torch.device) -> contextli
     thread count at run time (``kvgraph.engine.threads``) rather than the one at compile time; and
     no size or alignment asserts (Inductor checks each input's and each extern kernel's output's
     sizes and strides at every call: about 150 Python calls a step on ``llama-56m``); the wrapper in
-    C++ or Python as ``options.wrapper_in_cpp(device)`` says. The asserts' conditions hold
+    C++ or Python as ``options.wrapper_in_cpp(device)`` says, and in C++ on the CPU no compile
+    worker processes (``compile_threads=1``). The asserts' conditions hold
     by construction here: Dynamo guards the model's inputs and weights, the runtime checks the
     bound cache against the graph (:func:`~kvgraph.compiler.runtime.check_fit`), and the extern
     kernels are ATen's and kvgraph's ops, whose fake implementations give their outputs' sizes and
@@ -431,10 +432,16 @@ def _inductor_config(options: BackendOptions, device: torch.device) -> contextli
     import torch._inductor.config as inductor_config
 
     remember_isa_probes()  # its vector-ISA probes: ~2 s a process, answered from earlier processes
-    return inductor_config.patch({
+    in_cpp = options.wrapper_in_cpp(device)
+    settings = {
         "freezing": options.freeze_weights, "cpp.dynamic_threads": True,
-        "size_asserts": False, "alignment_asserts": False, "cpp_wrapper": options.wrapper_in_cpp(device),
-    })
+        "size_asserts": False, "alignment_asserts": False, "cpp_wrapper": in_cpp,
+    }
+    if in_cpp and device.type == "cpu":
+        # Every kernel is compiled with the wrapper, in one C++ file: the pool of compile worker
+        # processes Inductor starts at each compile (importing torch) would only take CPU time.
+        settings["compile_threads"] = 1
+    return inductor_config.patch(settings)
 
 
 def _compile_inner(inner: InnerCompiler, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
