@@ -11,7 +11,9 @@ with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::l
 ``kvgraph_cpu::packed_linear`` itself), ``mkl_linears`` (as ``python_linears``, with the Python
 implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM against MKL's packed
 GEMM, each behind the op's Python implementation; the MKL path's own per-call checks ride along),
-``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts), ``cpp_wrapper`` / ``python_wrapper`` (the defaults, with
+``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts),
+``wrapper_with_kernels`` (the defaults, a C++ wrapper built with its kernels in one -O3 compile
+instead of apart at -O1; traced like ``with_asserts``: compare it with ``traced``), ``cpp_wrapper`` / ``python_wrapper`` (the defaults, with
 Inductor's C++ or Python wrapper around the graph's kernels), ``traced``
 (the defaults without ``precompile``: each call through Dynamo's frame evaluation and guards rather
 than the precompiled graph's captured bytecode), and
@@ -54,6 +56,7 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "python_linears": {"precompile": False},  # kvgraph::linear's Python implementation in the graph
     "mkl_linears": {"precompile": False},  # the same, multiplying with MKL's pack instead of kvgraph's C++ GEMM
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
+    "wrapper_with_kernels": {"precompile": False},  # the C++ wrapper and its kernels in one -O3 build
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
     "torch_greedy": {},  # the defaults, greedy tokens picked by torch.max instead of kvgraph's argmax_rows
     "cpp_wrapper": {"cpp_wrapper": True},  # the defaults, with Inductor's C++ wrapper calling the kernels
@@ -64,7 +67,8 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
 @contextlib.contextmanager
 def compiled_as(name: str):
     """While ``name``'s engine compiles: ``python_linears`` and ``mkl_linears`` keep their graphs off
-    ``kvgraph_cpu::packed_linear``, ``with_asserts`` turns Inductor's size and alignment asserts back on."""
+    ``kvgraph_cpu::packed_linear``, ``with_asserts`` turns Inductor's size and alignment asserts back on,
+    ``wrapper_with_kernels`` builds a C++ wrapper and its kernels as one file at -O3 again."""
     if name in ("python_linears", "mkl_linears"):
         saved, cached = cpp.packed_linear_kernel, linear._cpp_linear
         cpp.packed_linear_kernel = lambda: None
@@ -72,16 +76,18 @@ def compiled_as(name: str):
             yield
         finally:
             cpp.packed_linear_kernel, linear._cpp_linear = saved, cached
-    elif name == "with_asserts":
+    elif name in ("with_asserts", "wrapper_with_kernels"):
         saved = backend._inductor_config
+        changes = ({"size_asserts": True, "alignment_asserts": True} if name == "with_asserts"
+                   else {"cpp_wrapper_build_separate": False})
 
-        def with_asserts(options, device):
+        def with_changes(options, device):
             stack = contextlib.ExitStack()
             stack.enter_context(saved(options, device))
-            stack.enter_context(torch._inductor.config.patch(size_asserts=True, alignment_asserts=True))
+            stack.enter_context(torch._inductor.config.patch(changes))
             return stack
 
-        backend._inductor_config = with_asserts
+        backend._inductor_config = with_changes
         try:
             yield
         finally:

@@ -30,21 +30,23 @@ def test_steps_match_eager_and_a_later_model_loads_the_cpp_graphs(tmp_path, cpp_
     assert third.loaded_graphs == 0 and third.written_graphs == 1 and cpp_entries == []
 
 
-def test_a_cpp_wrapper_graph_compiles_without_inductors_worker_pool(monkeypatch):
-    """Its kernels are compiled with the wrapper, in one C++ file: no pool of worker processes."""
+def test_a_cpp_wrapper_graph_compiles_without_inductors_worker_pool_and_apart_from_its_kernels(monkeypatch):
+    """Its kernels are compiled with the wrapper: no pool of worker processes; the wrapper is built
+    apart from the kernels (at -O1, they at -O3)."""
     from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
 
     asked = []
     warm_pool = async_compile.AsyncCompile.warm_pool.__func__
 
     def spy(cls):
-        asked.append(async_compile.get_compile_threads())
+        asked.append((async_compile.get_compile_threads(), inductor_config.cpp_wrapper_build_separate))
         return warm_pool(cls)
 
     monkeypatch.setattr(async_compile.AsyncCompile, "warm_pool", classmethod(spy))
     compiled = kvgraph.compile(fresh_model(), manager=manager(), cpp_wrapper=True)
     decode(_StepLogits(compiled), compiled.manager, steps=1, prompts=ONE)
-    assert asked and set(asked) == {1}
+    assert asked and set(asked) == {(1, True)}
 
 
 def test_the_default_on_the_cpu_is_the_cpp_wrapper(cpp_entries, monkeypatch):
