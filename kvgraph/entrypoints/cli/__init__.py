@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from kvgraph import __version__
 from kvgraph.entrypoints.cli.openmp_env import apply_serve_default
+from kvgraph.entrypoints.cli.process_exit import run_and_exit
 from kvgraph.errors import KVGraphError
 
 
@@ -49,3 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"kvgraph {args.command}: interrupted\n")
         return 130
+
+
+def run() -> None:
+    """The ``kvgraph`` console script (and ``python -m kvgraph``): :func:`main` on ``sys.argv``, then
+    the process ends without its module teardown (``process_exit``)."""
+    run_and_exit(main)

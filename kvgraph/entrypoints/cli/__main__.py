@@ -1,7 +1,5 @@
 """``python -m kvgraph.entrypoints.cli``: the same as the ``kvgraph`` console script."""
 
-import sys
+from kvgraph.entrypoints.cli import run
 
-from kvgraph.entrypoints.cli import main
-
-sys.exit(main())
+run()
