@@ -25,6 +25,7 @@ from kvgraph.entrypoints.cli.common import (
 from kvgraph.entrypoints.cli.divergence import NOISE_FACTOR, explain
 from kvgraph.entrypoints.cli.floor import FLOOR_DESCRIPTION, matmul_floor
 from kvgraph.entrypoints.cli.flops import PEAK_SIZE, gemm_peak_gflops, workload_flops
+from kvgraph.entrypoints.cli.heap import freeze_warm_heap
 from kvgraph.entrypoints.cli.report import (
     SPEEDUP_LEGEND,
     agreement,
@@ -89,6 +90,7 @@ def run_kvgraph(llm, workload: Workload) -> tuple[SystemResult, list[tuple[int, 
     from kvgraph.engine import SamplingParams
 
     llm.warmup()
+    freeze_warm_heap()  # in the kvgraph command's own process only
     llm.reset_prefix_cache()
     llm.reset_stats()
     cached_before = llm.manager.cached_prefix_tokens

@@ -17,6 +17,7 @@ from kvgraph.entrypoints.cli.common import (
     plural,
     positive_int,
 )
+from kvgraph.entrypoints.cli.heap import freeze_warm_heap
 from kvgraph.errors import ConfigError
 
 DEFAULT_PROMPT = "Hello from kvgraph!"
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         )
     llm.check_prompts(prompts, sampling)  # before compiling: bad input fails at once
     warmup = llm.warmup()
+    freeze_warm_heap()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
                disable=args.no_progress, dynamic_ncols=True)

@@ -16,6 +16,7 @@ from kvgraph.entrypoints.cli.common import (
     non_negative_float,
     positive_int,
 )
+from kvgraph.entrypoints.cli.heap import freeze_warm_heap
 from kvgraph.errors import require_extra
 
 
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         llm = warm_llm(args)
         engine, note = AsyncEngine(llm, args.stream_interval), llm.startup_note()
+    freeze_warm_heap()  # this process's too, when the engine runs in its own
     startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
     return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
@@ -94,6 +96,7 @@ def warm_llm(args: argparse.Namespace):
     llm = build_llm(args)
     logging.getLogger("kvgraph.serve").info("compiling and warming up %s", args.model)
     llm.warmup()
+    freeze_warm_heap()
     return llm
 
 
