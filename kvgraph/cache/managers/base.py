@@ -24,7 +24,6 @@ from kvgraph.cache.symbols import (
     RaggedKVCacheInputSymbols,
     ragged_input_symbols,
 )
-from kvgraph.cache.zeroed import zeroed
 from kvgraph.errors import (
     BatchSizeError,
     BatchTypeError,
@@ -155,15 +154,14 @@ class KVCacheManager(abc.ABC):
 
     def _allocate_blocks(self, num_blocks: int, rows: int) -> None:
         """Zeroed ``[num_blocks, 2, num_layers, rows, n_kv_heads_per_device, head_dim]`` per device, and
-        for a quantized cache zeroed scales ``[..., scales_per_head]`` beside them (``zeroed``: on the
-        CPU a page's memory is paid for when it is first written)."""
+        for a quantized cache zeroed scales ``[..., scales_per_head]`` beside them."""
         p = self.params
         shape = (num_blocks, 2, p.num_layers, rows, p.n_kv_heads_per_device, p.head_dim)
-        self.device_blocks = [zeroed(shape, p.dtype, d) for d in self.devices]
+        self.device_blocks = [torch.zeros(shape, dtype=p.dtype, device=d) for d in self.devices]
         if p.quantized:
             scale_shape = (*shape[:-1], p.scales_per_head)
             dtype = p.kvcache_quant_config.scale_dtype
-            self.device_scales = [zeroed(scale_shape, dtype, d) for d in self.devices]
+            self.device_scales = [torch.zeros(scale_shape, dtype=dtype, device=d) for d in self.devices]
 
     def _scales_of(self, device_index: int) -> torch.Tensor | None:
         return self.device_scales[device_index] if self.device_scales else None
