@@ -12,8 +12,9 @@ heap, as vLLM's ``freeze_gc_heap`` does after its start-up: the collections whil
 only the objects of the requests in flight, not the compiler's. Objects created later are collected
 as usual.
 
-Both act only in a process the ``kvgraph`` command started (``run_and_exit``), never in a program
-that calls ``kvgraph.LLM`` or :func:`kvgraph.entrypoints.cli.main` itself: its objects are its own.
+Both act only in a process the ``kvgraph`` command started (``kvgraph.entrypoints.cli.run``, which
+calls :func:`freeze_startup_survivors` first), never in a program that calls ``kvgraph.LLM`` or
+:func:`kvgraph.entrypoints.cli.main` itself: its objects are its own.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A command that ran a model has imported torch, Dynamo, Inductor and transformers: millions of
 Python objects. A normal exit then tears every module down, and the interpreter runs full garbage
 collections over all of them as it goes (``gc_collect_main`` under ``perf``): 1.5-1.8 s at the end
-of ``kvgraph generate --model llama-56m`` on a 2-core host, a fifth of a second start whose model
-loads in 1 s. Nothing a user can see happens in that teardown.
+of ``kvgraph generate --model llama-56m`` on a 2-core host, about a fifth of its 8.5-9 s second
+start. Nothing a user can see happens in that teardown.
 
 :func:`run_and_exit` registers its ender before the command imports anything that registers exit
 handlers of its own, so the ender runs last: after non-daemon threads are joined and after every
