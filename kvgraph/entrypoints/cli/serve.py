@@ -70,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is None and args.tensor_parallel_size == 1:
             args.threads = engine_threads()
         engine = EngineClient.launch(functools.partial(warm_llm, args), args.stream_interval)
+        freeze_warm_heap()  # the front end's: warm_llm froze the engine process's
         note = f"{engine.startup_note}; engine process {engine.pid}"
     else:
         llm = warm_llm(args)
         engine, note = AsyncEngine(llm, args.stream_interval), llm.startup_note()
-    freeze_warm_heap()  # this process's too, when the engine runs in its own
     startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
     return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
