@@ -144,6 +144,7 @@ struct Geometry {
   int64_t lut_cols;  // max_num_pages (paged) or 1
   int64_t hkv, d;
   int64_t stride_page, stride_kv, stride_layer, stride_slot;
+  int page_shift;  // log2(rows_per_page) when it is a power of two, else -1
 
   Geometry(const at::Tensor& blocks, const at::Tensor& lookup)
       : paged(lookup.dim() == 2),
@@ -155,17 +156,23 @@ struct Geometry {
         stride_page(blocks.stride(0)),
         stride_kv(blocks.stride(1)),
         stride_layer(blocks.stride(2)),
-        stride_slot(blocks.stride(3)) {}
+        stride_slot(blocks.stride(3)),
+        page_shift(rows_per_page > 0 && (rows_per_page & (rows_per_page - 1)) == 0 ? __builtin_ctzll(rows_per_page) : -1) {}
+
+  // pos / rows_per_page and pos % rows_per_page, by a shift and a mask for a power-of-two page
+  // (every paged cache kvgraph makes): the decode passes ask for them once per run of keys.
+  int64_t page_of(int64_t pos) const { return page_shift >= 0 ? pos >> page_shift : pos / rows_per_page; }
+  int64_t slot_of(int64_t pos) const { return page_shift >= 0 ? pos & (rows_per_page - 1) : pos % rows_per_page; }
 
   // Offset of row (sequence b, position pos, 0 = key / 1 = value, layer, head 0).
   int64_t offset(const int32_t* lut, int64_t b, int64_t pos, int64_t kv, int64_t layer) const {
-    int64_t page = paged ? lut[b * lut_cols + pos / rows_per_page] : lut[b];
-    int64_t slot = paged ? pos % rows_per_page : pos;
+    int64_t page = paged ? lut[b * lut_cols + page_of(pos)] : lut[b];
+    int64_t slot = paged ? slot_of(pos) : pos;
     return page * stride_page + kv * stride_kv + layer * stride_layer + slot * stride_slot;
   }
 
   // First position past the page holding pos (continuous: one page of max_seq_len rows).
-  int64_t page_end(int64_t pos) const { return (pos / rows_per_page + 1) * rows_per_page; }
+  int64_t page_end(int64_t pos) const { return (page_of(pos) + 1) * rows_per_page; }
 };
 
 // Where a quantized cache's scales live: kv_scales' geometry (its d is the scales per head) and the
@@ -463,7 +470,9 @@ struct Int8Decode {
         const int8_t* part = parts.data() + (r * kQParts + k) * D;
         int32_t* off = offset.data() + (r * kQParts + k) * (D / group);
         for (int64_t gi = 0; gi < D / group; ++gi) {
-          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) off[gi] += 128 * int32_t{part[d]};
+          int32_t sum = 0;
+          for (int64_t d = gi * group; d < (gi + 1) * group; ++d) sum += part[d];
+          off[gi] = 128 * sum;
         }
       }
     }
