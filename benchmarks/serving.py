@@ -6,8 +6,9 @@ in-process engine on the same workload.
 First the workload runs through ``kvgraph.LLM`` in this process (compiled and warmed up, one
 ``generate`` call with all prompts: the engine's own throughput), ``--repeats`` times. Then the same engine settings
 run as ``kvgraph serve`` in a subprocess, once per ``--servers`` kind: ``process`` (the default
-server: the engine in its own process) and ``thread`` (``--no-frontend-process``: the engine in a
-thread of the HTTP server's process). ``--concurrency`` asyncio clients send the prompts as
+server: the engine in its own process, the front end at ``--frontend-priority auto``), ``thread``
+(``--no-frontend-process``: the engine in a thread of the HTTP server's process), and
+``process-normal`` / ``process-idle`` (the engine in its own process, the front end at that priority). ``--concurrency`` asyncio clients send the prompts as
 streamed ``/v1/completions`` requests, timing each chunk, ``--repeats`` times. The fastest run of each side counts. Every side runs with
 prefix caching off, so no repeat is served by the pages an earlier one cached. Greedy texts must
 equal the engine's before any figure is printed. Reports, per server kind, requests/s, tokens/s,
@@ -143,7 +144,8 @@ async def load(url: str, model: str, prompts: list[list[int]], max_new_tokens: i
         return results, time.perf_counter() - start
 
 
-SERVER_FLAGS = {"process": [], "thread": ["--no-frontend-process"]}
+SERVER_FLAGS = {"process": [], "thread": ["--no-frontend-process"],
+                "process-normal": ["--frontend-priority", "normal"], "process-idle": ["--frontend-priority", "idle"]}
 
 
 def server_run(args, kind: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -209,7 +211,8 @@ def main() -> None:
                    help="the servers' --stream-interval: tokens per streamed chunk (default 1)")
     p.add_argument("--servers", default="process,thread",
                    help="server kinds to measure, comma-separated: process (the engine in its own process, "
-                   "the default server), thread (--no-frontend-process) (default: both)")
+                   "the default server), thread (--no-frontend-process), process-normal and process-idle "
+                   "(--frontend-priority normal / idle) (default: process,thread)")
     args = p.parse_args()
     kinds = args.servers.split(",")
     unknown = [k for k in kinds if k not in SERVER_FLAGS]

@@ -17,6 +17,7 @@ from kvgraph.entrypoints.cli.common import (
     positive_int,
 )
 from kvgraph.entrypoints.cli.heap import freeze_warm_heap
+from kvgraph.entrypoints.serve.priority import PRIORITIES
 from kvgraph.errors import require_extra
 
 
@@ -52,16 +53,23 @@ def add_parser(subparsers) -> None:
     h.add_argument("--no-frontend-process", dest="frontend_process", action="store_false",
                    help="run the engine in a thread of the HTTP server's process (default: the engine "
                    "runs in its own process, so the HTTP layer never takes its GIL)")
+    h.add_argument("--frontend-priority", choices=PRIORITIES, default="auto",
+                   help="CPU priority of the HTTP front end's process. idle (Linux's SCHED_IDLE) runs it "
+                   "only when a core has nothing else to do, so it never holds up the engine's kernel "
+                   "threads: more tokens/s, for later chunks (a longer tail of inter-token latency). "
+                   "auto (default): idle when the engine's threads take every core, else normal")
     add_engine_args(p)
     p.set_defaults(run=run, background_compile=True)  # a server answers at once on a first start
 
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "kvgraph serve", "fastapi", "uvicorn", "prometheus_client")
+    from kvgraph.entrypoints.serve import priority
     from kvgraph.entrypoints.serve.async_engine import AsyncEngine
     from kvgraph.entrypoints.serve.engine_client import EngineClient
     from kvgraph.entrypoints.serve.server import serve
 
+    priority.check(args.frontend_priority, args.frontend_process)
     _configure_logging()
     log = logging.getLogger("kvgraph.serve")
     start = time.perf_counter()
@@ -69,9 +77,12 @@ def run(args: argparse.Namespace) -> int:
         engine_config(args, progress=True)  # the flags, checked before the engine process starts
         if args.threads is None and args.tensor_parallel_size == 1:
             args.threads = engine_threads()
+        kernel_threads = (args.threads or usable_cores()) * args.tensor_parallel_size
+        level = priority.resolve(args.frontend_priority, kernel_threads, usable_cores())
         engine = EngineClient.launch(functools.partial(warm_llm, args), args.stream_interval)
         freeze_warm_heap()  # the front end's: warm_llm froze the engine process's
-        note = f"{engine.startup_note}; engine process {engine.pid}"
+        priority.apply(level)  # after the engine process started, which keeps the normal priority
+        note = f"{engine.startup_note}; engine process {engine.pid}; front end at {level} priority"
     else:
         llm = warm_llm(args)
         engine, note = AsyncEngine(llm, args.stream_interval), llm.startup_note()
@@ -86,8 +97,13 @@ def engine_threads() -> int:
     region ends with its slowest thread, so a kernel thread sharing its core with a busy front end
     stalls every layer; on 2 cores, though, halving the engine cost more on ``llama-56m`` (0.61 of
     the in-process engine on 1 thread, 0.86 on 2: ``benchmarks/serving.py``)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return cores - 1 if cores > 2 else cores
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def warm_llm(args: argparse.Namespace):
