@@ -57,7 +57,8 @@ def add_parser(subparsers) -> None:
                    help="CPU priority of the HTTP front end's process. idle (Linux's SCHED_IDLE) runs it "
                    "only when a core has nothing else to do, so it never holds up the engine's kernel "
                    "threads: more tokens/s, for later chunks (a longer tail of inter-token latency). "
-                   "auto (default): idle when the engine's threads take every core, else normal")
+                   "auto (default): idle when the engine's threads take every core, back to normal "
+                   "for good if another process keeps the cores busy; else normal")
     add_engine_args(p)
     p.set_defaults(run=run, background_compile=True)  # a server answers at once on a first start
 
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging()
     log = logging.getLogger("kvgraph.serve")
     start = time.perf_counter()
+    on_loop = None
     if args.frontend_process:
         engine_config(args, progress=True)  # the flags, checked before the engine process starts
         if args.threads is None and args.tensor_parallel_size == 1:
@@ -81,14 +83,22 @@ def run(args: argparse.Namespace) -> int:
         level = priority.resolve(args.frontend_priority, kernel_threads, usable_cores())
         engine = EngineClient.launch(functools.partial(warm_llm, args), args.stream_interval)
         freeze_warm_heap()  # the front end's: warm_llm froze the engine process's
-        priority.apply(level)  # after the engine process started, which keeps the normal priority
+        # after the engine process started, which keeps the normal priority
+        if level == "idle" and args.frontend_priority == "auto":
+            guard = priority.StarvationGuard()  # back to normal if another process starves it
+            guard.start()
+            on_loop = guard.watch_loop
+            level = "idle (normal if starved)"
+        else:
+            priority.apply(level)
         note = f"{engine.startup_note}; engine process {engine.pid}; front end at {level} priority"
     else:
         llm = warm_llm(args)
         engine, note = AsyncEngine(llm, args.stream_interval), llm.startup_note()
     startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
-    return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup)
+    return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup,
+                 on_loop)
 
 
 def engine_threads() -> int:

@@ -1,6 +1,8 @@
 """``kvgraph serve --frontend-priority``: the front end's threads at Linux's ``SCHED_IDLE`` while
 the engine process keeps the normal policy; ``auto`` picks ``idle`` only where the engine's kernel
-threads take every core; settings it cannot honour are refused before anything starts."""
+threads take every core, with a guard that puts the front end back at the normal priority when its
+event loop goes without a turn too long; settings it cannot honour are refused before anything
+starts."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def _policies(pid: int) -> dict[int, int]:
 
 
 def test_auto_is_idle_only_where_the_engine_takes_every_core():
-    idle = "idle" if hasattr(os, "SCHED_IDLE") else "normal"
+    idle = "idle" if priority.reversible() else "normal"  # and only where the guard could undo it
     assert priority.resolve("auto", 2, 2) == idle
     assert priority.resolve("auto", 4, 2) == idle  # tensor-parallel ranks' threads together
     assert priority.resolve("auto", 3, 4) == "normal"  # a core left to the front end
@@ -61,6 +63,38 @@ print(json.dumps({"changed": len(changed), "policies": sorted(set(policies.value
     assert out["changed"] >= 2  # the main thread and the one started before
     assert out["threads"] >= 3
     assert out["policies"] == [os.SCHED_IDLE]
+
+
+needs_reversible = pytest.mark.skipif(not priority.reversible(),
+                                      reason="needs a thread that may leave SCHED_IDLE (root or RLIMIT_NICE)")
+
+
+@needs_reversible
+def test_the_guard_puts_a_front_end_whose_loop_waits_too_long_back_at_normal():
+    script = """
+import asyncio, json, os, time
+from kvgraph.entrypoints.serve import priority
+policies = lambda: sorted(os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task"))
+guard = priority.StarvationGuard(limit_s=0.5)
+guard.start()
+started = policies()
+async def main():
+    guard.watch_loop(asyncio.get_running_loop())
+    await asyncio.sleep(0.3)  # beating every 0.05 s
+    beating = guard.level
+    time.sleep(1.5)  # the loop gets no turn, as beside processes that keep the cores busy
+    await asyncio.sleep(0.2)
+    return beating
+beating = asyncio.run(main())
+print(json.dumps({"started": started, "beating": beating, "after": guard.level, "late": guard.starved_s,
+                  "policies": policies()}))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).parents[3]).stdout)
+    assert out["started"] == sorted([os.SCHED_OTHER] + [os.SCHED_IDLE] * (len(out["started"]) - 1))  # the watchdog
+    assert out["beating"] == "idle"
+    assert out["after"] == "normal" and 0.5 < out["late"] < 1.6
+    assert set(out["policies"]) == {os.SCHED_OTHER}
 
 
 @needs_sched_idle
