@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging()
     log = logging.getLogger("kvgraph.serve")
     start = time.perf_counter()
-    on_loop = None
+    guard = None
     if args.frontend_process:
         engine_config(args, progress=True)  # the flags, checked before the engine process starts
         if args.threads is None and args.tensor_parallel_size == 1:
@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
         if level == "idle" and args.frontend_priority == "auto":
             guard = priority.StarvationGuard()  # back to normal if another process starves it
             guard.start()
-            on_loop = guard.watch_loop
             level = "idle (normal if starved)"
         else:
             priority.apply(level)
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     startup = f"started in {time.perf_counter() - start:.1f}s: {note}"
     log.info("compiled and warm, %s", startup)
     return serve(engine, args.served_model_name or args.model, args.host, args.port, args.shutdown_timeout, startup,
-                 on_loop)
+                 guard)
 
 
 def engine_threads() -> int:
