@@ -17,8 +17,11 @@ from kvgraph.entrypoints.cli.common import (
     positive_int,
 )
 from kvgraph.entrypoints.cli.heap import freeze_warm_heap
-from kvgraph.entrypoints.serve.priority import PRIORITIES
 from kvgraph.errors import require_extra
+
+FRONTEND_PRIORITIES = ("auto", "normal", "idle")
+"""``--frontend-priority``'s choices (``kvgraph.entrypoints.serve.priority.PRIORITIES``, not imported
+here: that package imports FastAPI, which every other command would then load, or fail on)."""
 
 
 def port_number(text: str) -> int:
@@ -53,7 +56,7 @@ def add_parser(subparsers) -> None:
     h.add_argument("--no-frontend-process", dest="frontend_process", action="store_false",
                    help="run the engine in a thread of the HTTP server's process (default: the engine "
                    "runs in its own process, so the HTTP layer never takes its GIL)")
-    h.add_argument("--frontend-priority", choices=PRIORITIES, default="auto",
+    h.add_argument("--frontend-priority", choices=FRONTEND_PRIORITIES, default="auto",
                    help="CPU priority of the HTTP front end's process. idle (Linux's SCHED_IDLE) runs it "
                    "only when a core has nothing else to do, so it never holds up the engine's kernel "
                    "threads: more tokens/s, for later chunks (a longer tail of inter-token latency). "

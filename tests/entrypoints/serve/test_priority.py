@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgraph.entrypoints.cli.serve import FRONTEND_PRIORITIES
 from kvgraph.entrypoints.serve import priority
 from kvgraph.errors import ConfigError
 from tests.entrypoints.serve.serving import ENGINE_FLAGS, MODEL, post
@@ -35,6 +36,19 @@ def test_auto_is_idle_only_where_the_engine_takes_every_core():
     assert priority.resolve("idle", 1, 8) == "idle"
 
 
+def test_the_command_line_offers_the_priorities_without_importing_the_server():
+    assert FRONTEND_PRIORITIES == priority.PRIORITIES
+    script = """
+import sys
+from kvgraph.entrypoints.cli import build_parser
+args = build_parser().parse_args(["serve", "--model", "llama-tiny", "--frontend-priority", "idle"])
+print(args.frontend_priority, "fastapi" in sys.modules, "kvgraph.entrypoints.serve" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[3]).stdout.split()
+    assert out == ["idle", "False", "False"]
+
+
 def test_settings_that_cannot_be_honoured_are_refused():
     with pytest.raises(ConfigError, match="'lowest' is not one of auto, normal, idle"):
         priority.check("lowest", True)
@@ -48,6 +62,7 @@ def test_settings_that_cannot_be_honoured_are_refused():
 def test_apply_sets_every_thread_and_the_threads_started_later():
     script = """
 import json, os, threading, time
+from kvgraph.entrypoints.cli.serve import FRONTEND_PRIORITIES
 from kvgraph.entrypoints.serve import priority
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
@@ -73,6 +88,7 @@ needs_reversible = pytest.mark.skipif(not priority.reversible(),
 def test_the_guard_puts_a_front_end_whose_loop_waits_too_long_back_at_normal():
     script = """
 import asyncio, json, os, time
+from kvgraph.entrypoints.cli.serve import FRONTEND_PRIORITIES
 from kvgraph.entrypoints.serve import priority
 policies = lambda: sorted(os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task"))
 guard = priority.StarvationGuard(limit_s=0.5)
