@@ -20,7 +20,7 @@ thread here may go back from it (root, or ``RLIMIT_NICE`` allowing nice 0); else
 
 Measured on a 2-core host at 32 streams (``benchmarks/RESULTS.md``): ``llama-56m`` served 1.07x
 the tokens/s of a normal-priority front end (median of 14 pairs), for inter-token latencies of
-0.08-0.11 s at p99 instead of 0.03; ``/health`` answered in 9-12 ms (p50, at most 0.3 s) during a
+0.07-0.11 s at p99 instead of 0.03; ``/health`` answered in 9-12 ms (p50, at most 0.3 s) during a
 long prefill-heavy load instead of 1 ms.
 """
 
