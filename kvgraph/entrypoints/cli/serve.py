@@ -82,18 +82,19 @@ def run(args: argparse.Namespace) -> int:
         engine_config(args, progress=True)  # the flags, checked before the engine process starts
         if args.threads is None and args.tensor_parallel_size == 1:
             args.threads = engine_threads()
-        kernel_threads = (args.threads or usable_cores()) * args.tensor_parallel_size
-        level = priority.resolve(args.frontend_priority, kernel_threads, usable_cores())
+        cores = usable_cores()
+        level = priority.resolve(args.frontend_priority, (args.threads or cores) * args.tensor_parallel_size, cores)
         engine = EngineClient.launch(functools.partial(warm_llm, args), args.stream_interval)
         freeze_warm_heap()  # the front end's: warm_llm froze the engine process's
         # after the engine process started, which keeps the normal priority
-        if level == "idle" and args.frontend_priority == "auto":
+        guarded = level == "idle" and args.frontend_priority == "auto"
+        if guarded:
             guard = priority.StarvationGuard()  # back to normal if another process starves it
             guard.start()
-            level = "idle (normal if starved)"
         else:
             priority.apply(level)
-        note = f"{engine.startup_note}; engine process {engine.pid}; front end at {level} priority"
+        shown = "idle (normal if starved)" if guarded else level
+        note = f"{engine.startup_note}; engine process {engine.pid}; front end at {shown} priority"
     else:
         llm = warm_llm(args)
         engine, note = AsyncEngine(llm, args.stream_interval), llm.startup_note()

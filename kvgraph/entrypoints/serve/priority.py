@@ -131,14 +131,11 @@ class StarvationGuard:
         self.starved_s: float | None = None
         self._beat: float | None = None  # the loop's last beat (None before watch_loop)
         self._stop = threading.Event()
-        self._watchdog_tid: list[int] = []
-        self._watchdog_ready = threading.Event()
 
     def start(self) -> None:
         watchdog = threading.Thread(target=self._watch, name="kvgraph-priority-watchdog", daemon=True)
-        watchdog.start()
-        self._watchdog_ready.wait()
-        apply("idle", keep=frozenset(self._watchdog_tid))
+        watchdog.start()  # returns once the thread runs, its native_id known
+        apply("idle", keep=frozenset({watchdog.native_id}))
         self.level = "idle"
 
     def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -154,8 +151,6 @@ class StarvationGuard:
         self._stop.set()
 
     def _watch(self) -> None:
-        self._watchdog_tid.append(threading.get_native_id())
-        self._watchdog_ready.set()
         while not self._stop.wait(self.beat_s):
             if self.level != "idle" or self._beat is None:
                 continue
