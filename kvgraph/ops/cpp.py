@@ -17,6 +17,11 @@ compiler Inductor needs too, with ``ninja``), for the SIMD level PyTorch itself 
 - ``cpp``: the C++ kernel; a failed build raises :class:`CppKernelError`.
 - ``sdpa``: the SDPA path, no compiler needed.
 - ``reference``: the pure-PyTorch reference (:mod:`kvgraph.ops.reference`), the slowest and simplest.
+
+A decode step over an int8 cache reads the int8 rows in place, with AVX-512 VNNI where the CPU has
+it, else with AVX2 and FMA; other steps and caches dequantize rows into a tile buffer.
+``KVGRAPH_INT8_DECODE`` (read at every call) picks a slower path: ``auto`` (default), ``avx2`` (never
+VNNI) or ``tiles`` (the tile buffer), to compare them or to test each on one CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
 PANEL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_cpu.cpp"
 GREEDY_SOURCE = Path(__file__).parent / "csrc" / "greedy_cpu.cpp"
-HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "int8_parts.h")  # part of the build's key, not compiled alone
+HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "int8_parts.h",
+           Path(__file__).parent / "csrc" / "int8_decode_avx2.h")  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "

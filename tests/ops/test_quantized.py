@@ -121,3 +121,33 @@ def test_the_op_under_torch_compile_writes_blocks_and_scales(make_kv_case):
     torch.testing.assert_close(out, expected * 2)
     assert torch.equal(args[3], ref_blocks) and torch.equal(scales, ref_scales)
 
+
+
+INT8_PATHS = ["auto", "avx2", "tiles"]
+
+
+@pytest.mark.parametrize("path", INT8_PATHS)
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, group", [
+    (8, 2, 64, 64),  # one scale per row, 4 rows per item (kv_quant's shape)
+    (6, 1, 32, 8),  # a scale per 8 elements, 6 rows: a block of 4 and one of 2
+    (4, 4, 48, 16),  # one row per item, D not a multiple of 16
+    (4, 2, 20, 4),  # D and group not multiples of 8: AVX2 cannot read it, the tiles do
+])
+@pytest.mark.parametrize("page_size", [1, 16, None], ids=["page1", "page16", "continuous"])
+def test_every_int8_decode_path_matches_the_golden(monkeypatch, make_kv_case, check_against_golden, path,
+                                                   n_heads, n_kv_heads, head_dim, group, page_size):
+    """KVGRAPH_INT8_DECODE's paths on this CPU (a path it lacks falls back): runs of keys whole,
+    cut short by a page, and a tail under 8 keys."""
+    monkeypatch.setenv("KVGRAPH_INT8_DECODE", path)
+    case = make_kv_case([(300, 1), (21, 1), (0, 1), (16, 1)], page_size=page_size, n_heads=n_heads,
+                        n_kv_heads=n_kv_heads, head_dim=head_dim)
+    check(cpp.ragged_attention, QuantizedCase(case, torch.int8, group), check_against_golden)
+
+
+def test_an_unknown_int8_decode_path_is_refused(monkeypatch, make_kv_case):
+    monkeypatch.setenv("KVGRAPH_INT8_DECODE", "fastest")
+    qcase = QuantizedCase(make_kv_case([(5, 1)], head_dim=32), torch.int8, 32)
+    args, scales = qcase.args(), qcase.kv_scales.clone()
+    with pytest.raises(ValueError, match="KVGRAPH_INT8_DECODE=fastest is not one of auto, avx2, tiles"):
+        cpp.ragged_attention(*args, kv_scales=scales)
+    assert torch.equal(args[3], qcase.kv_blocks) and torch.equal(scales, qcase.kv_scales)  # nothing stored

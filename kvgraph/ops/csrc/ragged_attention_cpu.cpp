@@ -25,8 +25,9 @@
 // scale = max|x| / QMAX and x * (1 / scale) rounded (int8: to nearest even, clamped to +-127;
 // fp8: clamped to +-448, then converted), as kvgraph/cache/quant.py. Reads dequantize each K/V
 // row into the tile buffer the bf16/fp16 path converts into (x = q * scale, in fp32), so no fp32
-// copy of the context is ever made; except a decode step over an int8 cache on a CPU with AVX-512
-// VNNI, which reads the int8 rows in place (see scores_int8 and accumulate_int8).
+// copy of the context is ever made; except a decode step over an int8 cache, which reads the int8
+// rows in place: with AVX-512 VNNI (scores_int8 and accumulate_int8 here), else with AVX2
+// (csrc/int8_decode_avx2.h). KVGRAPH_INT8_DECODE picks a slower path (see Int8Path).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -44,6 +45,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -53,6 +55,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_decode_avx2.h"
 #include "int8_parts.h"
 
 namespace kvgraph {
@@ -175,12 +178,27 @@ struct Geometry {
   int64_t page_end(int64_t pos) const { return (page_of(pos) + 1) * rows_per_page; }
 };
 
+// How a decode step reads an int8 cache (KVGRAPH_INT8_DECODE, read at every call): kAuto the fastest
+// path this CPU has (AVX-512 VNNI, else AVX2), kAvx2 never VNNI, kTiles rows dequantized into the
+// tile buffer (the fp8 cache's path). A CPU without a path takes the next one down.
+enum class Int8Path { kAuto, kAvx2, kTiles };
+
+Int8Path int8_path() {
+  const char* env = std::getenv("KVGRAPH_INT8_DECODE");
+  const std::string value = env ? env : "";
+  if (value.empty() || value == "auto") return Int8Path::kAuto;
+  if (value == "avx2") return Int8Path::kAvx2;
+  TORCH_CHECK_VALUE(value == "tiles", "KVGRAPH_INT8_DECODE=", value, " is not one of auto, avx2, tiles");
+  return Int8Path::kTiles;
+}
+
 // Where a quantized cache's scales live: kv_scales' geometry (its d is the scales per head) and the
-// elements per scale; data is null for an unquantized cache.
+// elements per scale; data is null for an unquantized cache. int8_path: how a decode step reads it.
 struct ScaleView {
   float* data;
   Geometry g;
   int64_t group;
+  Int8Path int8_path = Int8Path::kAuto;
 
   // Scales of row (sequence b, position pos, kv, layer, head h).
   float* row(const int32_t* lut, int64_t b, int64_t pos, int64_t kv, int64_t layer, int64_t h) const {
@@ -574,20 +592,6 @@ KVGRAPH_VNNI_TARGET void scores_rows(const Int8Decode& st, int64_t r0, __mmask16
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * ld_out, keys, sc[r]);
 }
 
-// f(std::integral_constant<int, R>) for R = min(4, rows - r0) at r0 = 0, 4, 8, ...: rows in
-// register blocks of up to 4.
-template <typename F>
-inline void for_row_blocks(int64_t rows, F&& f) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    switch (std::min<int64_t>(4, rows - r0)) {
-      case 1: f(r0, std::integral_constant<int, 1>{}); break;
-      case 2: f(r0, std::integral_constant<int, 2>{}); break;
-      case 3: f(r0, std::integral_constant<int, 3>{}); break;
-      default: f(r0, std::integral_constant<int, 4>{}); break;
-    }
-  }
-}
-
 // out[r * ld_out + j] = q_r . k_j (dequantized) for every row and n <= 16 keys k_j = k[j * ld_k]
 // with scales ks[j * ld_ks + group index].
 KVGRAPH_VNNI_TARGET void scores_int8(Int8Decode& st, const int8_t* k, int64_t ld_k, const float* ks, int64_t ld_ks,
@@ -699,7 +703,7 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
 #if KVGRAPH_INT8_VNNI
   // an int8 cache read in place by VPDPBUSD, runs of up to 16 keys (see scores_int8)
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
-  const bool vnni = kInt8 && has_vnni() && D % 4 == 0 && sv.group % 4 == 0;
+  const bool vnni = kInt8 && sv.int8_path == Int8Path::kAuto && has_vnni() && D % 4 == 0 && sv.group % 4 == 0;
   Int8Decode* st = vnni ? &int8_state() : nullptr;
   if constexpr (kInt8) {
     if (vnni) st->prepare(qf, rows, D, sv.group);
@@ -707,9 +711,16 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
 #else
   const bool vnni = false;
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  // else an int8 cache read in place with AVX2 (csrc/int8_decode_avx2.h), runs of a whole page
+  constexpr bool kInt8Avx2 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
+  const bool avx2 = kInt8Avx2 && !vnni && sv.int8_path != Int8Path::kTiles && int8_avx2::usable(D, sv.group);
+#else
+  const bool avx2 = false;
+#endif
   // runs of consecutive positions in one page (at most kKeyTile when converting into kf / vf)
   auto run_end = [&](int64_t pos) {
-    return std::min({kv_end, g.page_end(pos), vnni ? pos + 16 : kConvert ? pos + kKeyTile : kv_end});
+    return std::min({kv_end, g.page_end(pos), vnni ? pos + 16 : kConvert && !avx2 ? pos + kKeyTile : kv_end});
   };
   auto rows_of = [&](int64_t pos, int64_t n, int64_t kv, A* buf, int64_t& ld) -> const A* {
     const cache_t* src = blocks + g.offset(lut, b, pos, kv, layer) + h * D;
@@ -766,6 +777,16 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       }
     }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kInt8Avx2) {
+      if (avx2) {
+        int8_avx2::scores(qf, rows, D, sv.group, blocks + g.offset(lut, b, pos, 0, layer) + h * D, g.stride_slot,
+                          sv.row(lut, b, pos, 0, layer, h), sv.g.stride_slot, n, sc, n_ctx);
+        pos += n;
+        continue;
+      }
+    }
+#endif
     int64_t ld;
     const A* kt = rows_of(pos, n, 0, kf, ld);
     for (int64_t r = 0; r < rows; ++r) dots(qf + r * D, kt, ld, D, n, sc + r * n_ctx);
@@ -788,6 +809,16 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
       if (vnni) {
         accumulate_int8(*st, acc, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D, g.stride_slot,
                         sv.row(lut, b, pos, 1, layer, h), sv.g.stride_slot, n);
+        pos += n;
+        continue;
+      }
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kInt8Avx2) {
+      if (avx2) {
+        int8_avx2::accumulate(acc, rows, D, sv.group, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D,
+                              g.stride_slot, sv.row(lut, b, pos, 1, layer, h), sv.g.stride_slot, n);
         pos += n;
         continue;
       }
@@ -985,7 +1016,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const double softmax_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   const ScaleView sv = kv_scales.has_value()
                            ? ScaleView{kv_scales->mutable_data_ptr<float>(), Geometry(*kv_scales, lut_t),
-                                       D / kv_scales->size(5)}
+                                       D / kv_scales->size(5), int8_path()}
                            : ScaleView{nullptr, g, D};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kvgraph_ragged_attention", [&] {
     auto run = [&](auto* blocks) {
