@@ -44,14 +44,6 @@ inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// lane i = the sum of the lanes of v[i].
-inline __m256 sum_lanes8(const __m256* v) {
-  // hadd(hadd(v0, v1), hadd(v2, v3)): [v0..v3 over lanes 0-3 | v0..v3 over lanes 4-7]
-  const __m256 s03 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 s47 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
-}
-
 // lane j = x[j * ld] for j < m (m <= 8), else x[(m - 1) * ld]: eight scalar loads, faster than a
 // gather on the CPUs this path is for.
 inline __m256 strided8(const float* x, int64_t ld, int64_t m) {
@@ -65,7 +57,9 @@ inline __m256 strided8(const float* x, int64_t ld, int64_t m) {
 template <int R>
 inline void scores_group(const float* q, int64_t D, const int8_t* const* key, int64_t m, int64_t d0, int64_t d1,
                          __m256 scale, bool add, float* out, int64_t ld_out) {
-  __m256 dots[R][8];
+  // keys in pairs: R x 2 FMA chains, each pair's two sums folded by one hadd right away, so 4 x R
+  // vectors wait for the rest of the transpose-sum, not 8 x R
+  __m256 pairs[4][R];
   for (int j = 0; j < 8; j += 2) {
     __m256 a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
@@ -77,10 +71,13 @@ inline void scores_group(const float* q, int64_t D, const int8_t* const* key, in
         a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) dots[r][j] = a[r][0], dots[r][j + 1] = a[r][1];
+    for (int r = 0; r < R; ++r) pairs[j / 2][r] = _mm256_hadd_ps(a[r][0], a[r][1]);
   }
   for (int r = 0; r < R; ++r) {
-    const __m256 s = _mm256_mul_ps(sum_lanes8(dots[r]), scale);
+    // [keys 0-3 over lanes 0-3 | keys 0-3 over lanes 4-7], the same for keys 4-7
+    const __m256 s03 = _mm256_hadd_ps(pairs[0][r], pairs[1][r]), s47 = _mm256_hadd_ps(pairs[2][r], pairs[3][r]);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
+    const __m256 s = _mm256_mul_ps(sums, scale);
     float* o = out + r * ld_out;
     if (m == 8) {
       _mm256_storeu_ps(o, add ? _mm256_add_ps(s, _mm256_loadu_ps(o)) : s);
