@@ -275,7 +275,7 @@ def int8_kernel():
 def packed_linear_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
     pack kept in C++), or ``None`` where the library cannot be built or has no packed GEMM for this
-    CPU (neither AVX-512 nor MKL: ``kvgraph::linear``'s oneDNN path serves better than ``F.linear``)."""
+    CPU (neither AVX-512, oneDNN nor MKL)."""
     if _load() is not None or torch.ops.kvgraph_cpu.packed_linear_gemm() == "none":
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
@@ -290,9 +290,11 @@ def argmax_kernel():
 
 
 def packed_linear_gemm() -> str | None:
-    """What ``kvgraph_cpu::packed_linear`` multiplies with in this build: ``"panels"`` (kvgraph's
-    GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX-512 builds), ``"mkl"`` (MKL's packed GEMM) or
-    ``"none"`` (``F.linear``); ``None`` where the library cannot be built."""
+    """What ``kvgraph_cpu::packed_linear`` multiplies a weight packed now with: ``"panels"``
+    (kvgraph's GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX-512 builds), ``"onednn"`` (oneDNN's packed
+    linear: other builds on a CPU not made by Intel), ``"mkl"`` (MKL's packed GEMM) or ``"none"``
+    (``F.linear``), or what ``KVGRAPH_PACKED_GEMM`` picks (``ValueError`` for one this build and CPU
+    lack); ``None`` where the library cannot be built."""
     if _load() is not None:
         return None
     return torch.ops.kvgraph_cpu.packed_linear_gemm()

@@ -11,10 +11,17 @@ again when the weight changes in place: its version counter moves):
   within 10% of it at 1 and at 64-512 rows (``benchmarks/linear.py --model llama-56m``). The op and the graphs
   kvgraph compiles (:mod:`kvgraph.compiler.direct_kernels`) both call
   ``kvgraph_cpu::packed_linear``, which keeps the pack in C++;
-- without that library, with MKL (PyTorch's x86 builds): MKL's packed SGEMM (``cblas_sgemm_pack`` /
+- with that library built for AVX2, on a CPU not made by Intel: oneDNN's blocked layout for
+  :data:`PACK_ROWS` rows (``mkldnn._reorder_linear_weight``) multiplied by its JIT kernels
+  (``mkldnn._linear_pointwise``). On a 2-core Zen 3 EPYC, where MKL's packed GEMM does not run its
+  fast code, a step's linear layers of ``llama-56m`` ran 1.6-2x faster than with it at 3-64 rows,
+  1.3x at 128, and equally fast from 512. ``KVGRAPH_PACKED_GEMM`` (``auto``, ``panels``,
+  ``onednn``, ``mkl``; read when a weight is packed) picks another product the build and CPU have;
+- without that library, or with it on an Intel CPU without AVX-512, with MKL (PyTorch's x86
+  builds): MKL's packed SGEMM (``cblas_sgemm_pack`` /
   ``cblas_sgemm_compute``, through ``torch.ops.mkl``), packed for :data:`PACK_ROWS` rows. At
   the row counts of a decode step (1..64) a step's linear layers run 1.3-1.6x faster than with
-  ``F.linear`` or oneDNN's packed linear, and about as fast up to :data:`MAX_PACKED_ROWS`
+  ``F.linear`` or oneDNN's packed linear on an Intel Xeon, and about as fast up to :data:`MAX_PACKED_ROWS`
   (``benchmarks/linear.py``). PyTorch itself uses the packed product only for the row count it
   packed for; MKL's packed B serves any row count, which :func:`packed_weight` checks once per
   weight against ``F.linear`` (and uses oneDNN for that weight if it ever did not).

@@ -1,7 +1,8 @@
 """``kvgraph_cpu::packed_linear``: ``kvgraph::linear``'s packed float32 path with the pack kept in
 C++ (what compiled CPU graphs call, and what the op's Python implementation calls), kvgraph's panel
-GEMM on AVX-512 builds, equal to a float64 product at every row count and shape, repacked
-when the weight changes, and ``F.linear`` wherever the packed path does not apply."""
+GEMM on AVX-512 builds, oneDNN's on other CPUs than Intel's, else MKL's; each product this build and
+CPU have (``KVGRAPH_PACKED_GEMM``) equal to a float64 product at every row count and shape,
+repacked when the weight changes, and ``F.linear`` wherever the packed path does not apply."""
 
 import gc
 
@@ -12,12 +13,21 @@ import torch.nn.functional as F
 from kvgraph.ops import cpp
 from kvgraph.ops import linear as L
 
+GEMMS = ["auto", "panels", "onednn", "mkl"]
 
-@pytest.fixture(scope="module")
-def kernel():
+
+@pytest.fixture(params=GEMMS)
+def kernel(request, monkeypatch):
+    """The op, its weights packed for each product in turn (``KVGRAPH_PACKED_GEMM``) that this
+    build and CPU have."""
     found = cpp.packed_linear_kernel()
     if found is None:
         pytest.skip("kvgraph's C++ library does not build here, or has no packed GEMM for this CPU")
+    monkeypatch.setenv("KVGRAPH_PACKED_GEMM", request.param)
+    try:
+        cpp.packed_linear_gemm()
+    except ValueError as e:
+        pytest.skip(str(e))
     return found
 
 
@@ -25,9 +35,34 @@ def call(kernel, x, w, b=None):
     return kernel(x, w, b, L.MAX_PACKED_ROWS, L.PACK_ROWS)
 
 
-def test_avx512_builds_multiply_with_kvgraphs_panels(kernel):
-    expected = "panels" if cpp.capability() == "AVX512" else "mkl"
+def test_each_cpu_gets_its_fastest_product(monkeypatch):
+    """kvgraph's panels on AVX-512 builds; else oneDNN's on a CPU not made by Intel (MKL's packed
+    GEMM is slow on them), MKL's on Intel's."""
+    if cpp.packed_linear_kernel() is None:
+        pytest.skip("kvgraph's C++ library does not build here, or has no packed GEMM for this CPU")
+    monkeypatch.delenv("KVGRAPH_PACKED_GEMM", raising=False)
+    if cpp.capability() == "AVX512":
+        expected = "panels"
+    else:
+        expected = "mkl" if L.cpu_vendor() == "GenuineIntel" else "onednn"
     assert cpp.packed_linear_gemm() == expected
+
+
+def test_an_unknown_or_missing_product_is_refused(monkeypatch):
+    kernel = cpp.packed_linear_kernel()
+    if kernel is None:
+        pytest.skip("kvgraph's C++ library does not build here, or has no packed GEMM for this CPU")
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    monkeypatch.setenv("KVGRAPH_PACKED_GEMM", "blas")
+    with torch.inference_mode(), pytest.raises(ValueError, match="KVGRAPH_PACKED_GEMM=blas is not one of auto, panels, onednn, mkl"):
+        call(kernel, x, w)
+    if cpp.capability() != "AVX512":
+        monkeypatch.setenv("KVGRAPH_PACKED_GEMM", "panels")
+        with torch.inference_mode(), pytest.raises(ValueError, match="KVGRAPH_PACKED_GEMM=panels is not available.*AVX-512 build"):
+            call(kernel, x, w)
+    monkeypatch.delenv("KVGRAPH_PACKED_GEMM")
+    with torch.inference_mode():  # the refusals cached no pack for w: it is packed now
+        torch.testing.assert_close(call(kernel, x, w), F.linear(x, w))
 
 
 # outputs: half a panel's 32 columns, one past, a panel, one past, several panels and a part;

@@ -3,16 +3,22 @@
 //   - on an AVX-512 build, into kvgraph's panels, multiplied by panel::linear
 //     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, within
 //     10% of it at 1 and at 64-512 rows);
+//   - else, on a CPU not made by Intel, into oneDNN's blocked layout for pack_rows rows
+//     (mkldnn::_reorder_linear_weight) and multiplied with mkldnn::_linear_pointwise: on a Zen 3
+//     (AVX2) MKL's packed GEMM does not run its fast code, and oneDNN's JIT kernels were 1.6-2x as
+//     fast at 3-64 rows, 1.3x at 128, equal from 512 (benchmarks/RESULTS.md);
 //   - else by MKL for pack_rows rows (mkl::_mkl_reorder_linear_weight) and multiplied with
 //     mkl::_mkl_linear, whose packed B serves any row count.
-// Other dtypes, autograd, no rows, more than max_packed_rows rows, and a build with neither run
-// at::linear.
+// KVGRAPH_PACKED_GEMM (auto, panels, onednn, mkl; read when a weight is packed) picks another
+// product this build and CPU have. Other dtypes, autograd, no rows, more than max_packed_rows
+// rows, and a build with none of them run at::linear.
 //
 // The pack of each weight is kept here, keyed by the weight's TensorImpl and valid while that
 // tensor lives and its version counter has not moved (an inference tensor has none: packed once).
-// A new pack is first compared with at::linear at kCheckRows rows (for MKL: not the rows it was
-// packed for); a weight whose pack disagrees runs at::linear from then on, with a warning. A
-// compiled graph calls this op as an extern kernel: no Python between the graph and the GEMM.
+// A new pack is first compared with at::linear at kCheckRows rows (for MKL and oneDNN: not the
+// rows it was packed for); a weight whose pack disagrees runs at::linear from then on, with a
+// warning. A compiled graph calls this op as an extern kernel: no Python between the graph and
+// the GEMM.
 
 #include "panel_gemm.h"
 
@@ -29,33 +35,94 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace kvgraph {
 namespace {
 
 constexpr int64_t kCheckRows = 3;
 
+// The packed products: kvgraph's panels, oneDNN's, MKL's, or none (at::linear).
+enum class Gemm { kPanels, kOnednn, kMkl, kNone };
+
 struct Pack {
   c10::weak_intrusive_ptr<c10::TensorImpl> owner;  // the weight this pack was made from
   int64_t version;                                 // its version then (-1: an inference tensor)
+  Gemm gemm;                                       // the product it was packed for
   at::Tensor packed;                               // undefined: the packed product disagreed, use at::linear
 };
 
-// The packed product of this build: kvgraph's panels where it has them, else MKL's pack, else
-// none (at::linear).
-enum class Gemm { kPanels, kMkl, kNone };
+bool intel_cpu() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
 
+bool has_onednn() { return at::globalContext().hasMKLDNN() && at::globalContext().userEnabledMkldnn(); }
+
+// The product a weight packed now gets: KVGRAPH_PACKED_GEMM's, else the fastest this build and CPU
+// have (see the top of this file).
 Gemm gemm() {
-  return panel::available() ? Gemm::kPanels : at::globalContext().hasMKL() ? Gemm::kMkl : Gemm::kNone;
+  const char* env = std::getenv("KVGRAPH_PACKED_GEMM");
+  const std::string choice = env && *env ? env : "auto";
+  if (choice == "auto") {
+    if (panel::available()) return Gemm::kPanels;
+    if (!intel_cpu() && has_onednn()) return Gemm::kOnednn;
+    return at::globalContext().hasMKL() ? Gemm::kMkl : Gemm::kNone;
+  }
+  const bool have = choice == "panels" ? panel::available()
+                    : choice == "onednn" ? has_onednn()
+                    : choice == "mkl" ? at::globalContext().hasMKL()
+                                      : false;
+  TORCH_CHECK_VALUE(choice == "panels" || choice == "onednn" || choice == "mkl", "KVGRAPH_PACKED_GEMM=", choice,
+                    " is not one of auto, panels, onednn, mkl");
+  TORCH_CHECK_VALUE(have, "KVGRAPH_PACKED_GEMM=", choice, " is not available in this build or on this CPU",
+                    choice == "panels" ? " (kvgraph's panels need an AVX-512 build)" : "");
+  return choice == "panels" ? Gemm::kPanels : choice == "onednn" ? Gemm::kOnednn : Gemm::kMkl;
+}
+
+const char* name_of(Gemm g) {
+  switch (g) {
+    case Gemm::kPanels: return "panels";
+    case Gemm::kOnednn: return "onednn";
+    case Gemm::kMkl: return "mkl";
+    default: return "none";
+  }
 }
 
 std::mutex packs_mutex;
 std::unordered_map<const c10::TensorImpl*, Pack> packs;
+
+at::Tensor onednn_reorder(const at::Tensor& weight, int64_t rows) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                       .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+  return op.call(weight, rows);
+}
+
+// x [..., K] @ the oneDNN pack of a weight of n rows (+ bias) -> [..., n].
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  const int64_t k = x.size(-1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  const at::Tensor out = op.call(x.reshape({-1, k}).contiguous(), packed, bias, "none",
+                                 c10::List<std::optional<c10::Scalar>>(), "");
+  return out.view(shape);
+}
 
 at::Tensor mkl_reorder(const at::Tensor& weight, int64_t rows) {
   static auto op = c10::Dispatcher::singleton()
@@ -75,34 +142,39 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 int64_t version_of(const at::Tensor& weight) { return weight.is_inference() ? -1 : weight._version(); }
 
-// The pack of weight (packing it if it has none, or if it changed since), or an undefined tensor.
-at::Tensor pack_of(const at::Tensor& weight, int64_t pack_rows) {
+// The pack of weight (packing it if it has none, or if it changed since): its product and the
+// packed weight, undefined for at::linear.
+std::pair<Gemm, at::Tensor> pack_of(const at::Tensor& weight, int64_t pack_rows) {
   const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
   const int64_t version = version_of(weight);
   std::lock_guard<std::mutex> guard(packs_mutex);
   auto found = packs.find(key);
   if (found != packs.end() && !found->second.owner.expired() && found->second.version == version) {
-    return found->second.packed;
+    return {found->second.gemm, found->second.packed};
   }
   // drop the packs of weights that are gone (the key of one may be this weight's, reused)
   for (auto it = packs.begin(); it != packs.end();) {
     it = it->second.owner.expired() ? packs.erase(it) : std::next(it);
   }
-  const at::Tensor w = weight.detach().contiguous();
-  const bool panels = gemm() == Gemm::kPanels;
-  at::Tensor packed = panels ? panel::pack(w) : mkl_reorder(w, pack_rows);
-  const at::Tensor x = at::sin(at::arange(kCheckRows * w.size(1), w.options())).view({kCheckRows, w.size(1)});
-  const at::Tensor want = at::linear(x, w);
-  const at::Tensor got = panels ? panel::linear(x, packed, w.size(0), std::nullopt)
-                                : mkl_linear(x, packed, w, std::nullopt, kCheckRows);
-  const double scale = std::max(want.abs().max().item<double>(), 1.0);
-  if (!at::allclose(got, want, 1e-4, 1e-4 * scale)) {
-    TORCH_WARN(panels ? "kvgraph's panel GEMM" : "MKL's packed GEMM", " with a weight of shape ", w.sizes(),
-               " differs from F.linear at ", kCheckRows, " rows; this weight uses F.linear instead");
-    packed = at::Tensor();
+  const Gemm g = gemm();
+  at::Tensor packed;
+  if (g != Gemm::kNone) {
+    const at::Tensor w = weight.detach().contiguous();
+    packed = g == Gemm::kPanels ? panel::pack(w) : g == Gemm::kOnednn ? onednn_reorder(w, pack_rows) : mkl_reorder(w, pack_rows);
+    const at::Tensor x = at::sin(at::arange(kCheckRows * w.size(1), w.options())).view({kCheckRows, w.size(1)});
+    const at::Tensor want = at::linear(x, w);
+    const at::Tensor got = g == Gemm::kPanels   ? panel::linear(x, packed, w.size(0), std::nullopt)
+                           : g == Gemm::kOnednn ? onednn_linear(x, packed, w.size(0), std::nullopt)
+                                                : mkl_linear(x, packed, w, std::nullopt, kCheckRows);
+    const double scale = std::max(want.abs().max().item<double>(), 1.0);
+    if (!at::allclose(got, want, 1e-4, 1e-4 * scale)) {
+      TORCH_WARN("the ", name_of(g), " packed GEMM with a weight of shape ", w.sizes(), " differs from F.linear at ",
+                 kCheckRows, " rows; this weight uses F.linear instead");
+      packed = at::Tensor();
+    }
   }
-  packs.insert_or_assign(key, Pack{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), version, packed});
-  return packed;
+  packs.insert_or_assign(key, Pack{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), version, g, packed});
+  return {g, packed};
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -110,28 +182,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   const int64_t k = x.dim() > 0 ? x.size(-1) : 0;
   const int64_t rows = k > 0 ? x.numel() / k : 0;
   if (rows == 0 || rows > max_packed_rows || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
-      weight.dim() != 2 || !x.device().is_cpu() || !weight.device().is_cpu() || c10::GradMode::is_enabled() ||
-      gemm() == Gemm::kNone) {
+      weight.dim() != 2 || !x.device().is_cpu() || !weight.device().is_cpu() || c10::GradMode::is_enabled()) {
     return at::linear(x, weight, bias);
   }
-  const at::Tensor packed = pack_of(weight, pack_rows);
+  const auto [g, packed] = pack_of(weight, pack_rows);
   if (!packed.defined()) {
     return at::linear(x, weight, bias);
   }
-  if (gemm() == Gemm::kPanels) {
-    return panel::linear(x, packed, weight.size(0), bias);
+  switch (g) {
+    case Gemm::kPanels: return panel::linear(x, packed, weight.size(0), bias);
+    case Gemm::kOnednn: return onednn_linear(x, packed, weight.size(0), bias);
+    default: return mkl_linear(x, packed, weight, bias, rows);
   }
-  return mkl_linear(x, packed, weight, bias, rows);
 }
 
-// Which product packed_linear multiplies with in this build: "panels", "mkl" or "none" (at::linear).
-std::string packed_linear_gemm() {
-  switch (gemm()) {
-    case Gemm::kPanels: return "panels";
-    case Gemm::kMkl: return "mkl";
-    default: return "none";
-  }
-}
+// Which product packed_linear multiplies a weight packed now with: "panels", "onednn", "mkl" or
+// "none" (at::linear).
+std::string packed_linear_gemm() { return name_of(gemm()); }
 
 }  // namespace
 
