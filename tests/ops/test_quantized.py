@@ -130,7 +130,8 @@ INT8_PATHS = ["auto", "avx2", "tiles"]
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, group", [
     (8, 2, 64, 64),  # one scale per row, 4 rows per item (kv_quant's shape)
     (6, 1, 32, 8),  # a scale per 8 elements, 6 rows: a block of 4 and one of 2
-    (4, 4, 48, 16),  # one row per item, D not a multiple of 16
+    (4, 4, 48, 16),  # one row per item
+    (3, 1, 24, 8),  # 3 rows; D = 16 + 8: a chunk pair, then a single chunk
     (4, 2, 20, 4),  # D and group not multiples of 8: AVX2 cannot read it, the tiles do
 ])
 @pytest.mark.parametrize("page_size", [1, 16, None], ids=["page1", "page16", "continuous"])
