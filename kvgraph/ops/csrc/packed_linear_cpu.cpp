@@ -69,25 +69,32 @@ bool intel_cpu() {
 
 bool has_onednn() { return at::globalContext().hasMKLDNN() && at::globalContext().userEnabledMkldnn(); }
 
+// Whether this build and CPU have the product g.
+bool available(Gemm g) {
+  switch (g) {
+    case Gemm::kPanels: return panel::available();
+    case Gemm::kOnednn: return has_onednn();
+    case Gemm::kMkl: return at::globalContext().hasMKL();
+    default: return true;
+  }
+}
+
 // The product a weight packed now gets: KVGRAPH_PACKED_GEMM's, else the fastest this build and CPU
 // have (see the top of this file).
 Gemm gemm() {
   const char* env = std::getenv("KVGRAPH_PACKED_GEMM");
   const std::string choice = env && *env ? env : "auto";
   if (choice == "auto") {
-    if (panel::available()) return Gemm::kPanels;
-    if (!intel_cpu() && has_onednn()) return Gemm::kOnednn;
-    return at::globalContext().hasMKL() ? Gemm::kMkl : Gemm::kNone;
+    if (available(Gemm::kPanels)) return Gemm::kPanels;
+    if (!intel_cpu() && available(Gemm::kOnednn)) return Gemm::kOnednn;
+    return available(Gemm::kMkl) ? Gemm::kMkl : Gemm::kNone;
   }
-  const bool have = choice == "panels" ? panel::available()
-                    : choice == "onednn" ? has_onednn()
-                    : choice == "mkl" ? at::globalContext().hasMKL()
-                                      : false;
   TORCH_CHECK_VALUE(choice == "panels" || choice == "onednn" || choice == "mkl", "KVGRAPH_PACKED_GEMM=", choice,
                     " is not one of auto, panels, onednn, mkl");
-  TORCH_CHECK_VALUE(have, "KVGRAPH_PACKED_GEMM=", choice, " is not available in this build or on this CPU",
-                    choice == "panels" ? " (kvgraph's panels need an AVX-512 build)" : "");
-  return choice == "panels" ? Gemm::kPanels : choice == "onednn" ? Gemm::kOnednn : Gemm::kMkl;
+  const Gemm g = choice == "panels" ? Gemm::kPanels : choice == "onednn" ? Gemm::kOnednn : Gemm::kMkl;
+  TORCH_CHECK_VALUE(available(g), "KVGRAPH_PACKED_GEMM=", choice, " is not available in this build or on this CPU",
+                    g == Gemm::kPanels ? " (kvgraph's panels need an AVX-512 build)" : "");
+  return g;
 }
 
 const char* name_of(Gemm g) {
@@ -140,6 +147,16 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(x, packed, weight, bias, rows);
 }
 
+// x [..., K] @ weight^T (+ bias) by the product g from weight's pack (g not kNone).
+at::Tensor product(Gemm g, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias) {
+  switch (g) {
+    case Gemm::kPanels: return panel::linear(x, packed, weight.size(0), bias);
+    case Gemm::kOnednn: return onednn_linear(x, packed, weight.size(0), bias);
+    default: return mkl_linear(x, packed, weight, bias, x.numel() / x.size(-1));
+  }
+}
+
 int64_t version_of(const at::Tensor& weight) { return weight.is_inference() ? -1 : weight._version(); }
 
 // The pack of weight (packing it if it has none, or if it changed since): its product and the
@@ -163,9 +180,7 @@ std::pair<Gemm, at::Tensor> pack_of(const at::Tensor& weight, int64_t pack_rows)
     packed = g == Gemm::kPanels ? panel::pack(w) : g == Gemm::kOnednn ? onednn_reorder(w, pack_rows) : mkl_reorder(w, pack_rows);
     const at::Tensor x = at::sin(at::arange(kCheckRows * w.size(1), w.options())).view({kCheckRows, w.size(1)});
     const at::Tensor want = at::linear(x, w);
-    const at::Tensor got = g == Gemm::kPanels   ? panel::linear(x, packed, w.size(0), std::nullopt)
-                           : g == Gemm::kOnednn ? onednn_linear(x, packed, w.size(0), std::nullopt)
-                                                : mkl_linear(x, packed, w, std::nullopt, kCheckRows);
+    const at::Tensor got = product(g, x, packed, w, std::nullopt);
     const double scale = std::max(want.abs().max().item<double>(), 1.0);
     if (!at::allclose(got, want, 1e-4, 1e-4 * scale)) {
       TORCH_WARN("the ", name_of(g), " packed GEMM with a weight of shape ", w.sizes(), " differs from F.linear at ",
@@ -189,11 +204,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   if (!packed.defined()) {
     return at::linear(x, weight, bias);
   }
-  switch (g) {
-    case Gemm::kPanels: return panel::linear(x, packed, weight.size(0), bias);
-    case Gemm::kOnednn: return onednn_linear(x, packed, weight.size(0), bias);
-    default: return mkl_linear(x, packed, weight, bias, rows);
-  }
+  return product(g, x, packed, weight, bias);
 }
 
 // Which product packed_linear multiplies a weight packed now with: "panels", "onednn", "mkl" or

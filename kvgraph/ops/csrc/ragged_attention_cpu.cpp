@@ -700,9 +700,10 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   constexpr bool kConvert = !std::is_same_v<cache_t, A>;
   const int64_t D = g.d, n_ctx = kv_end - kv_begin;
   if (static_cast<int64_t>(scores.size()) < rows * n_ctx) scores.resize(rows * n_ctx);
+  // an int8 cache read in place (fp32 accumulation): by VPDPBUSD, else with AVX2
+  [[maybe_unused]] constexpr bool kInt8 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
 #if KVGRAPH_INT8_VNNI
-  // an int8 cache read in place by VPDPBUSD, runs of up to 16 keys (see scores_int8)
-  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
+  // VPDPBUSD: runs of up to 16 keys (see scores_int8)
   const bool vnni = kInt8 && sv.int8_path == Int8Path::kAuto && has_vnni() && D % 4 == 0 && sv.group % 4 == 0;
   Int8Decode* st = vnni ? &int8_state() : nullptr;
   if constexpr (kInt8) {
@@ -712,9 +713,8 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
   const bool vnni = false;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  // else an int8 cache read in place with AVX2 (csrc/int8_decode_avx2.h), runs of a whole page
-  constexpr bool kInt8Avx2 = std::is_same_v<cache_t, int8_t> && std::is_same_v<A, float>;
-  const bool avx2 = kInt8Avx2 && !vnni && sv.int8_path != Int8Path::kTiles && int8_avx2::usable(D, sv.group);
+  // else AVX2 (csrc/int8_decode_avx2.h): runs of a whole page
+  const bool avx2 = kInt8 && !vnni && sv.int8_path != Int8Path::kTiles && int8_avx2::usable(D, sv.group);
 #else
   const bool avx2 = false;
 #endif
@@ -778,7 +778,7 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (kInt8Avx2) {
+    if constexpr (kInt8) {
       if (avx2) {
         int8_avx2::scores(qf, rows, D, sv.group, blocks + g.offset(lut, b, pos, 0, layer) + h * D, g.stride_slot,
                           sv.row(lut, b, pos, 0, layer, h), sv.g.stride_slot, n, sc, n_ctx);
@@ -815,7 +815,7 @@ void attend_one_token(const A* qf, int64_t rows, A* acc, A* l, std::vector<A>& s
     }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (kInt8Avx2) {
+    if constexpr (kInt8) {
       if (avx2) {
         int8_avx2::accumulate(acc, rows, D, sv.group, sc, n_ctx, blocks + g.offset(lut, b, pos, 1, layer) + h * D,
                               g.stride_slot, sv.row(lut, b, pos, 1, layer, h), sv.g.stride_slot, n);
