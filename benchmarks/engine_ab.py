@@ -11,6 +11,8 @@ with ``packed_linears=False``: Inductor's oneDNN linears instead of ``kvgraph::l
 ``kvgraph_cpu::packed_linear`` itself), ``mkl_linears`` (as ``python_linears``, with the Python
 implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM against MKL's packed
 GEMM, each behind the op's Python implementation; the MKL path's own per-call checks ride along),
+``onednn_linears`` (the defaults on a model of its own, its weights packed for oneDNN's product:
+``KVGRAPH_PACKED_GEMM=onednn`` while it warms up, where each weight is packed),
 ``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts),
 ``wrapper_with_kernels`` (the defaults, a C++ wrapper built with its kernels in one -O3 compile
 instead of apart at -O1; traced like ``with_asserts``: compare it with ``traced``), ``cpp_wrapper`` / ``python_wrapper`` (the defaults, with
@@ -32,9 +34,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -55,6 +59,7 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     # The next two patch the compile: traced, so that they do not load the default's precompiled graphs.
     "python_linears": {"precompile": False},  # kvgraph::linear's Python implementation in the graph
     "mkl_linears": {"precompile": False},  # the same, multiplying with MKL's pack instead of kvgraph's C++ GEMM
+    "onednn_linears": {},  # the defaults, weights packed for oneDNN's product (a model of its own)
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
     "wrapper_with_kernels": {"precompile": False},  # the C++ wrapper and its kernels in one -O3 build
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
@@ -76,6 +81,9 @@ def compiled_as(name: str):
             yield
         finally:
             cpp.packed_linear_kernel, linear._cpp_linear = saved, cached
+    elif name == "onednn_linears":
+        with mock.patch.dict(os.environ, {"KVGRAPH_PACKED_GEMM": "onednn"}):
+            yield
     elif name in ("with_asserts", "wrapper_with_kernels"):
         saved = backend._inductor_config
         changes = ({"size_asserts": True, "alignment_asserts": True} if name == "with_asserts"
@@ -138,7 +146,9 @@ def main() -> None:
     for name, settings in ENGINES.items():
         if name in variants or (name == "frozen" and "all_guards" in variants):
             t = time.perf_counter()
-            engines[name] = LLM(model, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
+            # packs are kept per weight tensor: an engine packing for another product needs its own
+            own = load_preset(args.model)[0] if name == "onednn_linears" else model
+            engines[name] = LLM(own, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
                                 dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
             with running_as(name), compiled_as(name):
                 engines[name].warmup()

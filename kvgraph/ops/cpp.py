@@ -275,7 +275,7 @@ def int8_kernel():
 def packed_linear_kernel():
     """``torch.ops.kvgraph_cpu.packed_linear.default`` (``kvgraph::linear``'s float32 path with the
     pack kept in C++), or ``None`` where the library cannot be built or has no packed GEMM for this
-    CPU (neither AVX-512, oneDNN nor MKL)."""
+    CPU (neither AVX2, oneDNN nor MKL)."""
     if _load() is not None or torch.ops.kvgraph_cpu.packed_linear_gemm() == "none":
         return None
     return torch.ops.kvgraph_cpu.packed_linear.default
@@ -291,8 +291,9 @@ def argmax_kernel():
 
 def packed_linear_gemm() -> str | None:
     """What ``kvgraph_cpu::packed_linear`` multiplies a weight packed now with: ``"panels"``
-    (kvgraph's GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX-512 builds), ``"onednn"`` (oneDNN's packed
-    linear: other builds on a CPU not made by Intel), ``"mkl"`` (MKL's packed GEMM) or ``"none"``
+    (kvgraph's GEMM, ``csrc/panel_gemm_cpu.cpp``: AVX-512 builds, and AVX2 builds on a CPU not made
+    by Intel), ``"onednn"`` (oneDNN's packed linear: builds without AVX2 on such a CPU), ``"mkl"``
+    (MKL's packed GEMM: Intel CPUs without AVX-512) or ``"none"``
     (``F.linear``), or what ``KVGRAPH_PACKED_GEMM`` picks (``ValueError`` for one this build and CPU
     lack); ``None`` where the library cannot be built."""
     if _load() is not None:

@@ -36,15 +36,16 @@ def call(kernel, x, w, b=None):
 
 
 def test_each_cpu_gets_its_fastest_product(monkeypatch):
-    """kvgraph's panels on AVX-512 builds; else oneDNN's on a CPU not made by Intel (MKL's packed
-    GEMM is slow on them), MKL's on Intel's."""
+    """kvgraph's panels on AVX-512 builds, and on AVX2 builds on a CPU not made by Intel (MKL's
+    packed GEMM is slow on them); MKL's on Intel's AVX2 CPUs; oneDNN's where no SIMD build is."""
     if cpp.packed_linear_kernel() is None:
         pytest.skip("kvgraph's C++ library does not build here, or has no packed GEMM for this CPU")
     monkeypatch.delenv("KVGRAPH_PACKED_GEMM", raising=False)
-    if cpp.capability() == "AVX512":
+    intel = L.cpu_vendor() == "GenuineIntel"
+    if cpp.capability() == "AVX512" or (cpp.capability() == "AVX2" and not intel):
         expected = "panels"
     else:
-        expected = "mkl" if L.cpu_vendor() == "GenuineIntel" else "onednn"
+        expected = "mkl" if intel else "onednn"
     assert cpp.packed_linear_gemm() == expected
 
 
@@ -56,20 +57,21 @@ def test_an_unknown_or_missing_product_is_refused(monkeypatch):
     monkeypatch.setenv("KVGRAPH_PACKED_GEMM", "blas")
     with torch.inference_mode(), pytest.raises(ValueError, match="KVGRAPH_PACKED_GEMM=blas is not one of auto, panels, onednn, mkl"):
         call(kernel, x, w)
-    if cpp.capability() != "AVX512":
+    if cpp.capability() not in ("AVX512", "AVX2"):
         monkeypatch.setenv("KVGRAPH_PACKED_GEMM", "panels")
-        with torch.inference_mode(), pytest.raises(ValueError, match="KVGRAPH_PACKED_GEMM=panels is not available.*AVX-512 build"):
+        with torch.inference_mode(), pytest.raises(ValueError, match="KVGRAPH_PACKED_GEMM=panels is not available.*AVX2 or AVX-512 build"):
             call(kernel, x, w)
     monkeypatch.delenv("KVGRAPH_PACKED_GEMM")
     with torch.inference_mode():  # the refusals cached no pack for w: it is packed now
         torch.testing.assert_close(call(kernel, x, w), F.linear(x, w))
 
 
-# outputs: half a panel's 32 columns, one past, a panel, one past, several panels and a part;
-# rows: within a register block of 12, a block, one past, and several blocks
+# outputs: within a panel (16 columns with AVX2, 32 with AVX-512), a panel, one past, several panels
+# rows: within a register block (12 rows with AVX-512, 6 with AVX2), a block, one past, several
+# blocks, and past an AVX2 build's 96 panel rows (oneDNN's product with the plain weight)
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("k", [1, 7, 513])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 100])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 96, 97, 100])
 def test_equals_a_float64_product_at_every_shape(kernel, n, k, rows):
     g = torch.Generator().manual_seed(1000 * n + 10 * k + rows)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)

@@ -3,6 +3,9 @@
 //   - on an AVX-512 build, into kvgraph's panels, multiplied by panel::linear
 //     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, within
 //     10% of it at 1 and at 64-512 rows);
+//   - on an AVX2 build, on a CPU not made by Intel, into the same panels for up to
+//     panel::max_rows() rows (96): on a Zen 3, 0.57-0.67x oneDNN's packed product's time at 1-16
+//     rows, 0.79x at 32, 0.96x at 64; more rows go to oneDNN's product with the plain weight;
 //   - else, on a CPU not made by Intel, into oneDNN's blocked layout for pack_rows rows
 //     (mkldnn::_reorder_linear_weight) and multiplied with mkldnn::_linear_pointwise: on a Zen 3
 //     (AVX2) MKL's packed GEMM does not run its fast code, and oneDNN's JIT kernels were 1.6-2x as
@@ -79,13 +82,21 @@ bool available(Gemm g) {
   }
 }
 
+bool avx512_build() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The product a weight packed now gets: KVGRAPH_PACKED_GEMM's, else the fastest this build and CPU
 // have (see the top of this file).
 Gemm gemm() {
   const char* env = std::getenv("KVGRAPH_PACKED_GEMM");
   const std::string choice = env && *env ? env : "auto";
   if (choice == "auto") {
-    if (available(Gemm::kPanels)) return Gemm::kPanels;
+    if (available(Gemm::kPanels) && (avx512_build() || !intel_cpu())) return Gemm::kPanels;
     if (!intel_cpu() && available(Gemm::kOnednn)) return Gemm::kOnednn;
     return available(Gemm::kMkl) ? Gemm::kMkl : Gemm::kNone;
   }
@@ -93,7 +104,7 @@ Gemm gemm() {
                     " is not one of auto, panels, onednn, mkl");
   const Gemm g = choice == "panels" ? Gemm::kPanels : choice == "onednn" ? Gemm::kOnednn : Gemm::kMkl;
   TORCH_CHECK_VALUE(available(g), "KVGRAPH_PACKED_GEMM=", choice, " is not available in this build or on this CPU",
-                    g == Gemm::kPanels ? " (kvgraph's panels need an AVX-512 build)" : "");
+                    g == Gemm::kPanels ? " (kvgraph's panels need an AVX2 or AVX-512 build)" : "");
   return g;
 }
 
@@ -147,11 +158,17 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(x, packed, weight, bias, rows);
 }
 
-// x [..., K] @ weight^T (+ bias) by the product g from weight's pack (g not kNone).
+// x [..., K] @ weight^T (+ bias) by the product g from weight's pack (g not kNone). Panels past
+// panel::max_rows() rows (an AVX2 build): oneDNN's product with the plain weight, faster there,
+// without keeping a second pack.
 at::Tensor product(Gemm g, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias) {
   switch (g) {
-    case Gemm::kPanels: return panel::linear(x, packed, weight.size(0), bias);
+    case Gemm::kPanels:
+      if (x.numel() / x.size(-1) > panel::max_rows()) {
+        return has_onednn() ? onednn_linear(x, weight.contiguous(), weight.size(0), bias) : at::linear(x, weight, bias);
+      }
+      return panel::linear(x, packed, weight.size(0), bias);
     case Gemm::kOnednn: return onednn_linear(x, packed, weight.size(0), bias);
     default: return mkl_linear(x, packed, weight, bias, x.numel() / x.size(-1));
   }

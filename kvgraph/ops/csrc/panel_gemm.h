@@ -4,13 +4,18 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 
 namespace kvgraph {
 namespace panel {
 
-// Whether this build has the kernel: an AVX-512 build (else MKL's packed GEMM serves).
+// Whether this build has the kernel: an AVX-512 or AVX2 build.
 bool available();
+
+// The most rows it multiplies faster than oneDNN's product with the plain weight: every row count
+// on an AVX-512 build, 96 on an AVX2 build (panel_gemm_cpu.cpp).
+int64_t max_rows();
 
 // w [N, K] float32 -> [ceil(N / 32), K, 32], zero padded.
 at::Tensor pack(const at::Tensor& w);

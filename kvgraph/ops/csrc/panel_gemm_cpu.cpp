@@ -25,12 +25,16 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <utility>
 #include <vector>
 
-// AVX-512 builds only: on AVX2 (16-column panels, 6-row blocks) it measured 0.87-0.92x MKL's packed
-// GEMM from 32 rows on (benchmarks/RESULTS.md), so AVX2 builds keep MKL's.
-#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512 and AVX2 builds. With AVX2 (panels of 16 columns, blocks of 6 rows) on a 2-core Zen 3 it
+// multiplied llama-56m's linear layers in 0.57-0.67x oneDNN's packed product's time at 1-16 rows,
+// 0.79x at 32, 0.96x at 64, and more slowly from about 100 rows, where oneDNN's product with the
+// plain weight takes over (max_rows; benchmarks/RESULTS.md). On an Intel CPU without AVX-512 it
+// measured 0.87-0.92x MKL's packed GEMM's speed from 32 rows on, so those keep MKL's.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #define KVGRAPH_PANEL_GEMM 1
 #else
 #define KVGRAPH_PANEL_GEMM 0
@@ -43,8 +47,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kCols = 2 * kLanes;  // columns of a panel
-// rows of a register block: 2 * kRows accumulators, 2 panel vectors and a broadcast fit in the 32 zmm registers
+// rows of a register block: 2 * kRows accumulators, 2 panel vectors and a broadcast fit in the
+// 32 zmm registers (AVX-512) or the 16 ymm registers (AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int kRows = 12;
+#else
+constexpr int kRows = 6;
+#endif
 constexpr int64_t kLine = 64;  // bytes of a cache line
 constexpr int64_t kKChunk = 256;  // k steps of a panel multiplied by every row block in turn (32 KB)
 constexpr int64_t kChunkedRows = 128;  // up to this many rows
@@ -52,8 +61,10 @@ constexpr int64_t kLinesPerK = kCols * static_cast<int64_t>(sizeof(float)) / kLi
 
 // The accumulators as the compiler's own vector type (GCC keeps an array of Vectorized<float>
 // objects on the stack, an array of these in registers); Vectorized<float> converts from and to it.
-#if KVGRAPH_PANEL_GEMM
+#if KVGRAPH_PANEL_GEMM && defined(CPU_CAPABILITY_AVX512)
 using Simd = __m512;
+#elif KVGRAPH_PANEL_GEMM
+using Simd = __m256;
 #else  // not used (available() is false); Vectorized's code for the build keeps it compiling
 using Simd = Vec;
 #endif
@@ -124,6 +135,14 @@ constexpr auto kBlocks = blocks(std::make_integer_sequence<int, kRows>{});
 }  // namespace
 
 bool available() { return KVGRAPH_PANEL_GEMM; }
+
+int64_t max_rows() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return std::numeric_limits<int64_t>::max();
+#else
+  return 96;
+#endif
+}
 
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel::pack takes a float32 matrix, got ",
