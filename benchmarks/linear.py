@@ -1,5 +1,6 @@
 """Linear layers on the CPU: ``F.linear`` vs ``kvgraph::linear`` (the weight packed once: kvgraph's
-panel GEMM with its C++ library, else MKL's packed GEMM or oneDNN) and MKL's packed GEMM itself.
+panel GEMM with its C++ library, else MKL's packed GEMM or oneDNN) and MKL's and oneDNN's packed
+products themselves.
 
     python benchmarks/linear.py [--vocab 32000] [--hidden 512] [--repeats 20] [--model llama-56m]
 
@@ -42,8 +43,9 @@ ROWS = (1, 8, 16, 32, 64, 128, 512, 1024, 2048)  # of the per-layer timing (--mo
 
 def model_layers(name: str, repeats: int) -> list[dict]:
     """Every linear layer of preset ``name`` in module order, ``repeats`` steps at each row count,
-    with ``F.linear``, with ``kvgraph::linear`` and (where PyTorch has MKL) with MKL's packed GEMM
-    packed for ``PACK_ROWS`` rows; the better of three alternating runs each."""
+    with ``F.linear``, with ``kvgraph::linear``, (where PyTorch has MKL) with MKL's packed GEMM
+    and (where it has oneDNN) with oneDNN's packed linear, each packed for ``PACK_ROWS`` rows; the
+    better of three alternating runs each."""
     from kvgraph.entrypoints.cli.floor import linear_layers
     from kvgraph.presets import load_preset
 
@@ -53,6 +55,8 @@ def model_layers(name: str, repeats: int) -> list[dict]:
     out = []
     with torch.inference_mode():
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, packed.PACK_ROWS) for w in weights] if packed.has_mkl() else []
+        onednn = ([torch.ops.mkldnn._reorder_linear_weight(w, packed.PACK_ROWS) for w in weights]
+                  if torch.backends.mkldnn.is_available() else [])
         for rows in ROWS:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in weights}
             ways = {
@@ -62,6 +66,10 @@ def model_layers(name: str, repeats: int) -> list[dict]:
             if mkl:
                 ways["mkl_packed"] = [lambda w=w, p=p, x=xs[w.shape[1]], n=rows: torch.ops.mkl._mkl_linear(x, p, w, None, n)
                                       for w, p in zip(weights, mkl, strict=True)]
+            if onednn:
+                ways["onednn_packed"] = [
+                    lambda p=p, x=xs[w.shape[1]]: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                    for w, p in zip(weights, onednn, strict=True)]
             step = {key: [] for key in ways}
             for _ in range(3):
                 for key, calls in ways.items():
@@ -70,7 +78,8 @@ def model_layers(name: str, repeats: int) -> list[dict]:
             ms = {k: min(v) for k, v in step.items()}
             out.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
                         **{f"{k}_gflops": round(flop / v / 1e6, 1) for k, v in ms.items()},
-                        **({"packed_vs_mkl_packed": round(ms["mkl_packed"] / ms["packed"], 2)} if mkl else {})})
+                        **({"packed_vs_mkl_packed": round(ms["mkl_packed"] / ms["packed"], 2)} if mkl else {}),
+                        **({"packed_vs_onednn_packed": round(ms["onednn_packed"] / ms["packed"], 2)} if onednn else {})})
     return out
 
 
