@@ -17,7 +17,8 @@ bool available();
 // on an AVX-512 build, 96 on an AVX2 build (panel_gemm_cpu.cpp).
 int64_t max_rows();
 
-// w [N, K] float32 -> [ceil(N / 32), K, 32], zero padded.
+// w [N, K] float32 -> [ceil(N / C), K, C], zero padded; C, the columns of a panel, is 32 on an
+// AVX-512 build and 16 on an AVX2 build.
 at::Tensor pack(const at::Tensor& w);
 
 // x [..., K] float32 @ w^T (+ bias) -> [..., N], w as pack() returned it for a weight of N rows.
