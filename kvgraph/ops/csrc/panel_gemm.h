@@ -14,7 +14,7 @@ namespace panel {
 bool available();
 
 // The most rows it multiplies faster than oneDNN's product with the plain weight: every row count
-// on an AVX-512 build, 96 on an AVX2 build (panel_gemm_cpu.cpp).
+// on an AVX-512 build, 256 on an AVX2 build (panel_gemm_cpu.cpp).
 int64_t max_rows();
 
 // w [N, K] float32 -> [ceil(N / C), K, C], zero padded; C, the columns of a panel, is 32 on an

@@ -29,10 +29,11 @@
 #include <utility>
 #include <vector>
 
-// AVX-512 and AVX2 builds. With AVX2 (panels of 16 columns, blocks of 6 rows) on a 2-core Zen 3 it
-// multiplied llama-56m's linear layers in 0.57-0.67x oneDNN's packed product's time at 1-16 rows,
-// 0.79x at 32, 0.96x at 64, and more slowly from about 100 rows, where oneDNN's product with the
-// plain weight takes over (max_rows; benchmarks/RESULTS.md). On an Intel CPU without AVX-512 it
+// AVX-512 and AVX2 builds. With AVX2 (panels of 16 columns, blocks of 6 rows, 4 k steps at once)
+// on a 2-core Zen 3 it multiplied llama-56m's linear layers in 0.51-0.58x oneDNN's packed product's
+// time at 1-16 rows, 0.77x at 32-64, 0.87x at 96 and 0.94x at 128; against oneDNN's product with
+// the plain weight it was 0.7-0.93x at 64-192 rows, equal at 256 and slower past it, where that
+// product takes over (max_rows; benchmarks/RESULTS.md). On an Intel CPU without AVX-512 it
 // measured 0.87-0.92x MKL's packed GEMM's speed from 32 rows on, so those keep MKL's.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #define KVGRAPH_PANEL_GEMM 1
@@ -53,6 +54,14 @@ constexpr int64_t kCols = 2 * kLanes;  // columns of a panel
 constexpr int kRows = 12;
 #else
 constexpr int kRows = 6;
+#endif
+// k steps a block's loop takes at once, with one test for its prefetches: with AVX2 (16 ymm
+// registers) on a 2-core Zen 3, 4 took 0.81-0.90x the time of 1 at 16-96 rows (ad hoc, the
+// decode step's 56 GEMMs of llama-56m); not measured with AVX-512, which keeps 1
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kUnroll = 1;
+#else
+constexpr int64_t kUnroll = 4;
 #endif
 constexpr int64_t kLine = 64;  // bytes of a cache line
 constexpr int64_t kKChunk = 256;  // k steps of a panel multiplied by every row block in turn (32 KB)
@@ -79,6 +88,24 @@ struct Prefetch {
   int64_t per_k = 1;
 };
 
+// One k step of a block: acc[r] += x[r, k] * b[k, 0:kCols] for its R rows, `x` row 0's x[k]
+// (row stride lda), `b` the panel's row k.
+template <int R>
+__attribute__((always_inline)) inline void multiply_add(Simd (&acc0)[R], Simd (&acc1)[R], const float* x, int64_t lda,
+                                                        const float* b) {
+  const Simd b0 = simd_load(b), b1 = simd_load(b + kLanes);
+  // row r's x[k] by one pointer stepped lda at a time: kept opaque, so the compiler holds one
+  // address instead of R (which, with 2R accumulators, would spill them to the stack)
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const Simd v = simd_set1(*x);
+    x += lda;
+    asm("" : "+r"(x));
+    acc0[r] = simd_fmadd(v, b0, acc0[r]);
+    acc1[r] = simd_fmadd(v, b1, acc1[r]);
+  }
+}
+
 // c[r, 0:cols] = a[r, :] . b[:, 0:cols] (+ bias) for R rows of a (row stride lda), b one panel.
 template <int R>
 __attribute__((noinline)) void block(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
@@ -90,23 +117,24 @@ __attribute__((noinline)) void block(const float* a, int64_t lda, const float* b
     acc0[r] = accumulate ? Simd(Vec::loadu(c + r * ldc, cols0)) : simd_set1(0.f);
     acc1[r] = accumulate && cols1 > 0 ? Simd(Vec::loadu(c + r * ldc + kLanes, cols1)) : simd_set1(0.f);
   }
-  for (int64_t k = 0; k < K; ++k) {
-    if (k * next.per_k < next.lines) {
-      __builtin_prefetch(next.from + k * next.per_k * kLine, 0, 2);
-      if (next.per_k > 1) __builtin_prefetch(next.from + (k * next.per_k + 1) * kLine, 0, 2);
-    }
-    const Simd b0 = simd_load(b + k * kCols), b1 = simd_load(b + k * kCols + kLanes);
-    // row r's x[k] by one pointer stepped lda at a time: kept opaque, so the compiler holds one
-    // address instead of R (which, with 2R accumulators, would spill them to the stack)
-    const float* row = a + k;
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const Simd x = simd_set1(*row);
-      row += lda;
-      asm("" : "+r"(row));
-      acc0[r] = simd_fmadd(x, b0, acc0[r]);
-      acc1[r] = simd_fmadd(x, b1, acc1[r]);
-    }
+  // the next panel's lines this block still prefetches: a group of steps' worth at a time
+  const char* ahead = next.from;
+  int64_t ahead_lines = next.lines;
+  const auto prefetch = [&](int64_t steps) {
+    const int64_t lines = std::min(ahead_lines, steps * next.per_k);
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(ahead + l * kLine, 0, 2);
+    ahead += lines * kLine;
+    ahead_lines -= lines;
+  };
+  int64_t k = 0;
+  for (; k + kUnroll <= K; k += kUnroll) {
+    if (ahead_lines > 0) prefetch(kUnroll);
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kUnroll; ++u) multiply_add<R>(acc0, acc1, a + k + u, lda, b + (k + u) * kCols);
+  }
+  for (; k < K; ++k) {
+    if (ahead_lines > 0) prefetch(1);
+    multiply_add<R>(acc0, acc1, a + k, lda, b + k * kCols);
   }
   Vec bias0(0.f), bias1(0.f);
   if (bias != nullptr) {
@@ -140,7 +168,7 @@ int64_t max_rows() {
 #if defined(CPU_CAPABILITY_AVX512)
   return std::numeric_limits<int64_t>::max();
 #else
-  return 96;
+  return 256;
 #endif
 }
 
