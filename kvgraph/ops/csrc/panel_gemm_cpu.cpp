@@ -56,8 +56,9 @@ constexpr int kRows = 12;
 constexpr int kRows = 6;
 #endif
 // k steps a block's loop takes at once, with one test for its prefetches: with AVX2 (16 ymm
-// registers) on a 2-core Zen 3, 4 took 0.81-0.90x the time of 1 at 16-96 rows (ad hoc, the
-// decode step's 56 GEMMs of llama-56m); not measured with AVX-512, which keeps 1
+// registers) on a 2-core Zen 3, 4 took 0.87x the time of 1 at 8-16 rows and 0.74-0.78x at 32-96
+// (the decode step's 56 GEMMs of llama-56m, benchmarks/RESULTS.md); not measured with AVX-512,
+// which keeps 1
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kUnroll = 1;
 #else
