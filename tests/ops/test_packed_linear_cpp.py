@@ -69,7 +69,7 @@ def test_an_unknown_or_missing_product_is_refused(monkeypatch):
 # outputs: within a panel (16 columns with AVX2, 32 with AVX-512), a panel, one past, several panels
 # rows: within a register block (12 rows with AVX-512, 6 with AVX2), a block, one past, several
 # blocks, and past an AVX2 build's 256 panel rows (oneDNN's product with the plain weight); k: within
-# the AVX2 loop's 4 steps at once, past it, and past a chunk of 256 by one
+# the AVX2 loop's 4 steps at once, past it, and one past two chunks of 256
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("k", [1, 7, 513])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 97, 256, 257])
