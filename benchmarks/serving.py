@@ -20,7 +20,9 @@ The clients run on the same host as the server and take CPU from it (``client_cp
 vLLM's serving benchmark uses) or ``httpx2`` (the ``openai`` package's). On a 2-core host a
 256-request ``llama-tiny`` load took 0.21-0.27 CPU seconds of ``aiohttp`` clients against 0.55-0.83 s
 of ``httpx2`` ones, and the server's tokens/s was 1.28x as high (median of 4 alternating runs).
-``--threads N`` runs both sides' kernels on ``N`` threads. ``--stream-interval N`` starts the servers
+``--client-priority idle`` runs the load generator's thread under Linux's ``SCHED_IDLE``, so that it takes
+the host's CPU only when the server leaves some (a model of clients on another host); the default,
+``normal``, shares the cores with the server as any process would. ``--threads N`` runs both sides' kernels on ``N`` threads. ``--stream-interval N`` starts the servers
 with it (N tokens per chunk; ``itl_s`` is then the time between chunks).
 """
 
@@ -32,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import aiohttp
@@ -144,6 +147,28 @@ async def load(url: str, model: str, prompts: list[list[int]], max_new_tokens: i
         return results, time.perf_counter() - start
 
 
+def run_load(url: str, model: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, client: str,
+             priority: str) -> tuple[list[dict], float]:
+    """:func:`load` in a thread of its own, under ``SCHED_IDLE`` when ``priority`` is ``idle`` (Linux sets a
+    scheduling policy per thread, so this process's other threads keep theirs)."""
+    outcome: dict = {}
+
+    def body() -> None:
+        try:
+            if priority == "idle":
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            outcome["value"] = asyncio.run(load(url, model, prompts, max_new_tokens, concurrency, client))
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=body, name="load-generator")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 SERVER_FLAGS = {"process": [], "thread": ["--no-frontend-process"],
                 "process-normal": ["--frontend-priority", "normal"], "process-idle": ["--frontend-priority", "idle"]}
 
@@ -162,8 +187,8 @@ def server_run(args, kind: str, prompts: list[list[int]], max_new_tokens: int) -
         runs = []
         for _ in range(args.repeats):
             cpu = time.process_time()
-            results, elapsed = asyncio.run(load(url, args.model, prompts, max_new_tokens, args.concurrency,
-                                                args.client))
+            results, elapsed = run_load(url, args.model, prompts, max_new_tokens, args.concurrency, args.client,
+                                        args.client_priority)
             runs.append((results, elapsed, time.process_time() - cpu))
         results, elapsed, client_cpu = min(runs, key=lambda run: run[1])
         exit_status = server.stop()
@@ -207,6 +232,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads of every side (default: one per core)")
     p.add_argument("--client", choices=("aiohttp", "httpx2"), default="aiohttp",
                    help="the load generator's HTTP client (default: aiohttp, the leaner on CPU)")
+    p.add_argument("--client-priority", choices=("normal", "idle"), default="normal",
+                   help="the load generator's scheduling: normal, or idle (SCHED_IDLE: CPU only when the "
+                   "server leaves some, as clients on another host) (default: normal)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the servers' --stream-interval: tokens per streamed chunk (default 1)")
     p.add_argument("--servers", default="process,thread",
@@ -230,7 +258,8 @@ def main() -> None:
                for kind in kinds}
     report = {
         "model": args.model, "workload": args.workload, "requests": len(prompts), "max_new_tokens": new,
-        "concurrency": args.concurrency, "stream_interval": args.stream_interval, "client": args.client, "compile": args.compile, "threads": torch.get_num_threads(),
+        "concurrency": args.concurrency, "stream_interval": args.stream_interval, "client": args.client,
+        "client_priority": args.client_priority, "compile": args.compile, "threads": torch.get_num_threads(),
         "repeats": args.repeats, "load_average": os.getloadavg(),
         "engine": {"elapsed_s": engine["elapsed_s"], "tokens_per_s": engine_tps},
         "servers": servers,

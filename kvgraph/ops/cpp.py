@@ -53,7 +53,9 @@ INT8_SOURCE = Path(__file__).parent / "csrc" / "int8_linear_cpu.cpp"
 PACKED_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "packed_linear_cpu.cpp"
 PANEL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_cpu.cpp"
 GREEDY_SOURCE = Path(__file__).parent / "csrc" / "greedy_cpu.cpp"
-HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "int8_parts.h",
+PACK_ARENA_SOURCE = Path(__file__).parent / "csrc" / "pack_arena.cpp"
+HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "pack_arena.h",
+           Path(__file__).parent / "csrc" / "int8_parts.h",
            Path(__file__).parent / "csrc" / "int8_decode_avx2.h")  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
@@ -144,8 +146,8 @@ def _clear_stale_lock(build_dir: Path) -> None:
 
 def sources() -> tuple[Path, ...]:
     """The library's C++ sources: the attention kernel, the int8 linear layer, the packed float32
-    one and its GEMM, and the greedy pick."""
-    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE, PANEL_GEMM_SOURCE, GREEDY_SOURCE
+    one, its GEMM and the arena its packs live in, and the greedy pick."""
+    return SOURCE, INT8_SOURCE, PACKED_LINEAR_SOURCE, PANEL_GEMM_SOURCE, PACK_ARENA_SOURCE, GREEDY_SOURCE
 
 
 def _define_schema() -> None:
@@ -163,6 +165,7 @@ def _define_schema() -> None:
         library.define("packed_linear" + PACKED_LINEAR_SCHEMA)
         torch.library.register_fake("kvgraph_cpu::packed_linear", linear_fake, lib=library)
         library.define("packed_linear_gemm() -> str")
+        library.define("pack_arena_zeros(int[] sizes) -> Tensor")
         library.define("argmax_rows(Tensor logits) -> Tensor")
         _library = library
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvgraph.cache import pool_memory
 from kvgraph.cache.inputs import RaggedKVCacheInputs
 from kvgraph.cache.params import KVCacheParams, check_positive_int
 from kvgraph.cache.request import KVRequest
@@ -157,11 +158,11 @@ class KVCacheManager(abc.ABC):
         for a quantized cache zeroed scales ``[..., scales_per_head]`` beside them."""
         p = self.params
         shape = (num_blocks, 2, p.num_layers, rows, p.n_kv_heads_per_device, p.head_dim)
-        self.device_blocks = [torch.zeros(shape, dtype=p.dtype, device=d) for d in self.devices]
+        self.device_blocks = [pool_memory.zeros(shape, p.dtype, d) for d in self.devices]
         if p.quantized:
             scale_shape = (*shape[:-1], p.scales_per_head)
             dtype = p.kvcache_quant_config.scale_dtype
-            self.device_scales = [torch.zeros(scale_shape, dtype=dtype, device=d) for d in self.devices]
+            self.device_scales = [pool_memory.zeros(scale_shape, dtype, d) for d in self.devices]
 
     def _scales_of(self, device_index: int) -> torch.Tensor | None:
         return self.device_scales[device_index] if self.device_scales else None

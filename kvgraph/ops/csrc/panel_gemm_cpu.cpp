@@ -15,6 +15,8 @@
 
 #include "panel_gemm.h"
 
+#include "pack_arena.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -177,7 +179,7 @@ at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel::pack takes a float32 matrix, got ",
               w.scalar_type(), " of shape ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
-  at::Tensor packed = at::zeros({P, K, kCols}, w.options());
+  at::Tensor packed = arena::zeros({P, K, kCols});  // next to the packs made before it
   const at::Tensor src = w.contiguous();
   const float* s = src.const_data_ptr<float>();
   float* d = packed.mutable_data_ptr<float>();

@@ -1,0 +1,56 @@
+"""A CPU cache pool's memory: zeroed, shaped and typed as ``torch.zeros``; from 2 MB up on Linux it
+starts on a 2 MB boundary of memory advised for transparent huge pages, which
+``KVGRAPH_HUGE_PAGES=0`` turns off; other devices and small pools are plain ``torch.zeros``."""
+
+import sys
+
+import pytest
+import torch
+
+from kvgraph.cache import pool_memory
+from kvgraph.cache.managers import PagedKVCacheManager
+from kvgraph.cache.params import KVCacheParams
+from tests.huge_pages import thp_eligible, thp_mode
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+POOL = (64, 2, 4, 16, 4, 64)  # 8 MB of float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_pool_is_zeros_of_its_shape_and_dtype(dtype):
+    pool = pool_memory.zeros(POOL, dtype, "cpu")
+    assert pool.shape == POOL and pool.dtype == dtype and pool.is_contiguous()
+    assert not pool.any()
+    pool[-1, -1, -1, -1, -1, -1] = 1  # writable to its last element
+    assert int(pool.count_nonzero()) == 1
+
+
+@linux
+def test_a_large_pool_starts_on_a_huge_page_of_advised_memory():
+    pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    assert pool.data_ptr() % pool_memory.HUGE_PAGE == 0
+    if thp_mode() in ("always", "madvise"):
+        assert thp_eligible(pool.data_ptr()) is True
+
+
+@linux
+def test_huge_pages_off_gives_plain_zeros(monkeypatch):
+    monkeypatch.setenv("KVGRAPH_HUGE_PAGES", "0")
+    pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    assert pool.storage_offset() == 0 and pool.untyped_storage().nbytes() == pool.numel() * 4
+    assert not pool.any()
+
+
+def test_small_pools_and_other_devices_are_plain_zeros():
+    small = pool_memory.zeros((2, 2, 1, 16, 1, 8), torch.float32, "cpu")
+    assert small.storage_offset() == 0 and not small.any()
+    meta = pool_memory.zeros(POOL, torch.float32, "meta")
+    assert meta.device.type == "meta" and meta.shape == POOL
+
+
+@linux
+def test_a_paged_managers_pool_is_advised():
+    params = KVCacheParams(dtype=torch.float32, n_kv_heads=4, head_dim=64, num_layers=4, page_size=16)
+    manager = PagedKVCacheManager(params, 4, 256, num_pages=64)  # 8 MB
+    assert manager.device_blocks[0].data_ptr() % pool_memory.HUGE_PAGE == 0
+    assert not manager.device_blocks[0].any()
