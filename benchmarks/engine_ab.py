@@ -13,7 +13,9 @@ implementation's own MKL pack in place of kvgraph's C++ library: its panel GEMM 
 GEMM, each behind the op's Python implementation; the MKL path's own per-call checks ride along),
 ``onednn_linears`` (the defaults on a model of its own, its weights packed for oneDNN's product:
 ``KVGRAPH_PACKED_GEMM=onednn`` while it warms up, where each weight is packed),
-``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts),
+``no_huge_pages`` (the defaults on a model of its own, built and warmed up with
+``KVGRAPH_HUGE_PAGES=0``: its weights packed and its cache pool allocated without the huge-page
+advice and the packs' arena), ``with_asserts`` (the defaults, compiled with Inductor's size and alignment asserts),
 ``wrapper_with_kernels`` (the defaults, a C++ wrapper built with its kernels in one -O3 compile
 instead of apart at -O1; traced like ``with_asserts``: compare it with ``traced``), ``cpp_wrapper`` / ``python_wrapper`` (the defaults, with
 Inductor's C++ or Python wrapper around the graph's kernels), ``traced``
@@ -60,6 +62,7 @@ ENGINES = {  # engine name -> LLM settings; the all_guards variant runs the froz
     "python_linears": {"precompile": False},  # kvgraph::linear's Python implementation in the graph
     "mkl_linears": {"precompile": False},  # the same, multiplying with MKL's pack instead of kvgraph's C++ GEMM
     "onednn_linears": {},  # the defaults, weights packed for oneDNN's product (a model of its own)
+    "no_huge_pages": {},  # the defaults, packs and cache pool in plain 4 KB pages (a model of its own)
     "with_asserts": {"precompile": False},  # compiled with Inductor's size and alignment asserts
     "wrapper_with_kernels": {"precompile": False},  # the C++ wrapper and its kernels in one -O3 build
     "traced": {"precompile": False},  # the defaults, called through Dynamo instead of precompiled
@@ -100,6 +103,17 @@ def compiled_as(name: str):
             yield
         finally:
             backend._inductor_config = saved
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def built_as(name: str):
+    """While ``name``'s engine is built and warmed up: ``no_huge_pages`` with ``KVGRAPH_HUGE_PAGES=0``
+    (its cache pool is allocated when it is built, its weights packed when it warms up)."""
+    if name == "no_huge_pages":
+        with mock.patch.dict(os.environ, {"KVGRAPH_HUGE_PAGES": "0"}):
+            yield
     else:
         yield
 
@@ -147,11 +161,12 @@ def main() -> None:
         if name in variants or (name == "frozen" and "all_guards" in variants):
             t = time.perf_counter()
             # packs are kept per weight tensor: an engine packing for another product needs its own
-            own = load_preset(args.model)[0] if name == "onednn_linears" else model
-            engines[name] = LLM(own, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
-                                dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
-            with running_as(name), compiled_as(name):
-                engines[name].warmup()
+            own = load_preset(args.model)[0] if name in ("onednn_linears", "no_huge_pages") else model
+            with built_as(name):
+                engines[name] = LLM(own, tokenizer=tokenizer, max_batch_size=64, max_seq_len=1024, progress=False,
+                                    dtype=None if args.dtype is None else getattr(torch, args.dtype), **settings)
+                with running_as(name), compiled_as(name):
+                    engines[name].warmup()
             started[name] = round(time.perf_counter() - t, 1)
     report = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "startup_s": started, "workloads": {}}
     for workload_name in args.workloads.split(","):

@@ -5,8 +5,11 @@ each page of the cache costs the reads a TLB miss, and on a virtual machine a tw
 The pool is therefore aligned to 2 MB and advised ``MADV_HUGEPAGE`` before it is first touched, so
 that where transparent huge pages are on ``madvise`` (a common default) the kernel backs it with
 2 MB pages. On a 2-core Zen 3 VM the decode attention over such a pool took 0.93-0.97x the time
-(``benchmarks/RESULTS.md``). ``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it
-does for the packed weights (``kvgraph/ops/csrc/pack_arena.cpp``).
+(``benchmarks/RESULTS.md``). Zeroing costs more at start-up in huge pages: 1.0-2.0 s for a 2 GB pool
+here against 0.8-0.9 s. (A pool left to the kernel's zero pages, faulted in as sequences first use
+it, measured no faster than 4 KB pages end to end, so the pool is zeroed up front.)
+``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it does for the packed weights
+(``kvgraph/ops/csrc/pack_arena.cpp``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 // pages on `madvise` (a common default) the reads of a step take a TLB miss per 2 MB instead of
 // per 4 KB. On a 2-core Zen 3 VM the 56 GEMMs of a llama-56m decode step took 0.94-0.98x the time
 // at 8-32 rows with their packs so placed (0.99 at 64), and a decode-heavy run, with the cache pool
-// in huge pages too (kvgraph/cache/pool_memory.py), 0.92x (benchmarks/RESULTS.md).
+// in huge pages too (kvgraph/cache/pool_memory.py), 0.91x (benchmarks/RESULTS.md).
 
 #include "pack_arena.h"
 
@@ -17,7 +17,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
