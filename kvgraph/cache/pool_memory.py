@@ -15,7 +15,6 @@ it, measured no faster than 4 KB pages end to end, so the pool is zeroed up fron
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ def enabled() -> bool:
 def _madvise(address: int, length: int) -> bool:
     """``madvise(address, length, MADV_HUGEPAGE)``; False where it failed or libc has none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols: libc's, no ldconfig run
         return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
