@@ -5,9 +5,15 @@ each page of the cache costs the reads a TLB miss, and on a virtual machine a tw
 The pool is therefore aligned to 2 MB and advised ``MADV_HUGEPAGE`` before it is first touched, so
 that where transparent huge pages are on ``madvise`` (a common default) the kernel backs it with
 2 MB pages. On a 2-core Zen 3 VM the decode attention over such a pool took 0.93-0.97x the time
-(``benchmarks/RESULTS.md``). Zeroing costs more at start-up in huge pages: 1.0-2.0 s for a 2 GB pool
-here against 0.8-0.9 s. (A pool left to the kernel's zero pages, faulted in as sequences first use
-it, measured no faster than 4 KB pages end to end, so the pool is zeroed up front.)
+(``benchmarks/RESULTS.md``).
+
+The pool is a fresh anonymous mapping, whose pages the kernel zeroes as it first maps them, so it is
+never written from here: its pages are mapped up front by ``madvise(MADV_POPULATE_WRITE)`` (Linux
+5.14), split over the process's intra-op threads (the call releases the GIL). Zeroing 2 GB by
+writing it after the faults took 1.0-2.0 s in huge pages on a 2-core Zen 3 VM; populated, 0.26-0.8
+s. (A pool left to be faulted in as sequences first use it measured no faster end to end, so it is
+populated before the first step.) A kernel without ``MADV_POPULATE_WRITE`` has the pool faulted in
+by writing zeros over it.
 ``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it does for the packed weights
 (``kvgraph/ops/csrc/pack_arena.cpp``).
 """
@@ -16,13 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import sys
+import threading
 
 import torch
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without writing them
+POPULATE_SPLIT = 64 << 20  # bytes a populating thread takes at least
 
 
 def enabled() -> bool:
@@ -30,26 +40,51 @@ def enabled() -> bool:
     return os.environ.get("KVGRAPH_HUGE_PAGES", "1") != "0"
 
 
-def _madvise(address: int, length: int) -> bool:
-    """``madvise(address, length, MADV_HUGEPAGE)``; False where it failed or libc has none."""
+def _madvise(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
+    """``madvise(address, length, advice)``; False where it failed or libc has none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols: libc's, no ldconfig run
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
 
 
+def _populate(address: int, length: int) -> bool:
+    """Maps ``[address, address + length)`` (page aligned) writable, in slices on up to
+    ``torch.get_num_threads()`` threads; False where the kernel refused any slice."""
+    parts = max(1, min(torch.get_num_threads(), length // POPULATE_SPLIT))
+    step = -(-length // parts // HUGE_PAGE) * HUGE_PAGE
+    spans = [(a, min(step, length - a)) for a in range(0, length, step)]
+    done = [False] * len(spans)
+
+    def run(i: int) -> None:
+        done[i] = _madvise(address + spans[i][0], spans[i][1], MADV_POPULATE_WRITE)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, len(spans))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    return all(done)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``; for a pool of 2 MB or more on a Linux CPU,
-    a view that starts on a 2 MB boundary of memory advised for huge pages before it was zeroed."""
+    a view that starts on a 2 MB boundary of a fresh anonymous mapping advised for huge pages before
+    its pages were mapped."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # not touched yet
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped with the tensor
     offset = -raw.data_ptr() % HUGE_PAGE
-    _madvise(raw.data_ptr() + offset, nbytes // HUGE_PAGE * HUGE_PAGE)  # advice: without THP, 4 KB pages
+    start = raw.data_ptr() + offset
+    _madvise(start, nbytes // HUGE_PAGE * HUGE_PAGE)  # advice: without THP, 4 KB pages
     pool = raw[offset : offset + nbytes].view(dtype).view(shape)
-    pool.zero_()
+    pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if not _populate(start, pages):
+        pool.zero_()  # an older kernel: the first writes fault the pages in
     return pool

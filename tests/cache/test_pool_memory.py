@@ -1,6 +1,7 @@
 """A CPU cache pool's memory: zeroed, shaped and typed as ``torch.zeros``; from 2 MB up on Linux it
-starts on a 2 MB boundary of memory advised for transparent huge pages, which
-``KVGRAPH_HUGE_PAGES=0`` turns off; other devices and small pools are plain ``torch.zeros``."""
+starts on a 2 MB boundary of a mapping advised for transparent huge pages, resident before it is
+returned and unmapped with the pool, which ``KVGRAPH_HUGE_PAGES=0`` turns off; other devices and
+small pools are plain ``torch.zeros``."""
 
 import sys
 
@@ -10,7 +11,7 @@ import torch
 from kvgraph.cache import pool_memory
 from kvgraph.cache.managers import PagedKVCacheManager
 from kvgraph.cache.params import KVCacheParams
-from tests.huge_pages import thp_eligible, thp_mode
+from tests.huge_pages import resident_bytes, thp_eligible, thp_mode
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 POOL = (64, 2, 4, 16, 4, 64)  # 8 MB of float32
@@ -32,6 +33,32 @@ def test_a_large_pool_starts_on_a_huge_page_of_advised_memory():
     eligible = thp_eligible(pool.data_ptr())  # None: a kernel whose smaps does not say
     if thp_mode() in ("always", "madvise") and eligible is not None:
         assert eligible is True
+
+
+@linux
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_pool_is_resident_before_it_is_returned_and_unmapped_with_it(monkeypatch, threads):
+    monkeypatch.setattr(pool_memory, "POPULATE_SPLIT", 2 << 20)  # slices for two threads from 4 MB
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    finally:
+        torch.set_num_threads(previous)
+    address, nbytes = pool.data_ptr(), pool.numel() * 4
+    assert resident_bytes(address) >= nbytes  # every page mapped: no fault left for the first step
+    assert not pool.any()
+    del pool
+    assert resident_bytes(address) is None
+
+
+@linux
+def test_a_kernel_refusing_to_populate_still_gives_a_writable_zero_pool(monkeypatch):
+    monkeypatch.setattr(pool_memory, "MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14
+    pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    assert not pool.any()
+    pool.fill_(2.0)
+    assert float(pool.sum()) == 2.0 * pool.numel()
 
 
 @linux
