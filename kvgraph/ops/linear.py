@@ -12,11 +12,11 @@ again when the weight changes in place: its version counter moves):
   kvgraph compiles (:mod:`kvgraph.compiler.direct_kernels`) both call
   ``kvgraph_cpu::packed_linear``, which keeps the pack in C++;
 - with that library built for AVX2, on a CPU not made by Intel: the same panels (16 columns,
-  blocks of 6 rows) up to 256 rows, and past them oneDNN's product (``mkldnn._linear_pointwise``)
-  with the plain weight. On a 2-core Zen 3 EPYC a step's linear layers of ``llama-56m`` took
-  0.51-0.58x the time of oneDNN's packed product at 1-16 rows, 0.77x at 32-64 and 0.87x at 96; oneDNN
-  was in turn 1.6-2x faster than MKL's packed GEMM there, which does not run its fast code on AMD
-  CPUs. ``KVGRAPH_PACKED_GEMM`` (``auto``, ``panels``, ``onednn``, ``mkl``; read when a weight is
+  blocks of 6 rows), with x blocked for the caches past 128 rows (a prompt). On a 2-core Zen 3 EPYC
+  a step's linear layers of ``llama-56m`` took 0.51-0.58x the time of oneDNN's packed product at
+  1-16 rows, 0.77x at 32-64 and 0.87x at 96, and 0.81-0.96x that of oneDNN's product with the plain
+  weight (``mkldnn._linear_pointwise``) at 96-2048 rows; oneDNN was in turn 1.6-2x faster than
+  MKL's packed GEMM there, which does not run its fast code on AMD CPUs. ``KVGRAPH_PACKED_GEMM`` (``auto``, ``panels``, ``onednn``, ``mkl``; read when a weight is
   packed) picks another product the build and CPU have: ``onednn`` is oneDNN's blocked layout for
   :data:`PACK_ROWS` rows (``mkldnn._reorder_linear_weight``);
 - without that library, or with it on an Intel CPU without AVX-512, with MKL (PyTorch's x86
@@ -146,8 +146,8 @@ def max_packed_rows() -> int:
     CPU the panel GEMM takes every row count: on a 2-core AMD EPYC (Zen 4), where MKL does not run its
     AVX-512 code, it multiplied ``llama-56m``'s 57 linear layers 1.12-1.25x faster than ``F.linear``
     at 512-2048 rows (183-188 against 146-166 GFLOP/s; ``benchmarks/linear.py --model llama-56m``),
-    and ``mixed`` ran 1.03x faster end to end. (An AVX2 build hands rows past 256 to oneDNN's
-    product with the plain weight, 1.2-1.4x faster than ``F.linear`` there on a Zen 3.) Decided
+    and ``mixed`` ran 1.03x faster end to end. (An AVX2 build blocks x for the caches past 128
+    rows: on a Zen 3 0.81-0.96x the time of oneDNN's product with the plain weight at 96-2048 rows.) Decided
     once per process."""
     global _max_rows
     if _max_rows is None:

@@ -68,12 +68,19 @@ def test_an_unknown_or_missing_product_is_refused(monkeypatch):
 
 # outputs: within a panel (16 columns with AVX2, 32 with AVX-512), a panel, one past, several panels
 # rows: within a register block (12 rows with AVX-512, 6 with AVX2), a block, one past, several
-# blocks, and past an AVX2 build's 256 panel rows (oneDNN's product with the plain weight); k: within
-# the AVX2 loop's 4 steps at once, past it, and one past two chunks of 256
+# blocks, past the 128 rows from which an AVX2 build blocks x for the caches, past 96 rows (two of
+# its row groups) and 192 (three); k: within the AVX2 loop's 4 steps at once, past it, and one
+# past two chunks of 256. The panels' two loop nests (x in place; x packed in blocks) each at every
+# shape: KVGRAPH_PANEL_BLOCKED_ROWS=1 blocks every row count.
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("k", [1, 7, 513])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 97, 256, 257])
-def test_equals_a_float64_product_at_every_shape(kernel, n, k, rows):
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 97, 129, 256, 257])
+@pytest.mark.parametrize("loop", ["default", "blocked"])
+def test_equals_a_float64_product_at_every_shape(kernel, monkeypatch, n, k, rows, loop):
+    if loop == "blocked":
+        if cpp.packed_linear_gemm() != "panels":
+            pytest.skip("the blocked loop nest is the panels'")
+        monkeypatch.setenv("KVGRAPH_PANEL_BLOCKED_ROWS", "1")
     g = torch.Generator().manual_seed(1000 * n + 10 * k + rows)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     x = torch.randn(1, rows, k, generator=g)

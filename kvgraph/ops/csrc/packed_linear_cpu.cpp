@@ -3,9 +3,9 @@
 //   - on an AVX-512 build, into kvgraph's panels, multiplied by panel::linear
 //     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, within
 //     10% of it at 1 and at 64-512 rows);
-//   - on an AVX2 build, on a CPU not made by Intel, into the same panels for up to
-//     panel::max_rows() rows (256): on a Zen 3, 0.51-0.58x oneDNN's packed product's time at 1-16
-//     rows, 0.77x at 32-64, 0.87x at 96; more rows go to oneDNN's product with the plain weight;
+//   - on an AVX2 build, on a CPU not made by Intel, into the same panels: on a Zen 3, 0.51-0.58x
+//     oneDNN's packed product's time at 1-16 rows, 0.77x at 32-64, 0.87x at 96, and past 128 rows
+//     (x blocked for the caches) 0.81-0.96x oneDNN's product with the plain weight;
 //   - else, on a CPU not made by Intel, into oneDNN's blocked layout for pack_rows rows
 //     (mkldnn::_reorder_linear_weight) and multiplied with mkldnn::_linear_pointwise: on a Zen 3
 //     (AVX2) MKL's packed GEMM does not run its fast code, and oneDNN's JIT kernels were 1.6-2x as
@@ -158,17 +158,11 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(x, packed, weight, bias, rows);
 }
 
-// x [..., K] @ weight^T (+ bias) by the product g from weight's pack (g not kNone). Panels past
-// panel::max_rows() rows (an AVX2 build): oneDNN's product with the plain weight, faster there,
-// without keeping a second pack.
+// x [..., K] @ weight^T (+ bias) by the product g from weight's pack (g not kNone).
 at::Tensor product(Gemm g, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias) {
   switch (g) {
-    case Gemm::kPanels:
-      if (x.numel() / x.size(-1) > panel::max_rows()) {
-        return has_onednn() ? onednn_linear(x, weight.contiguous(), weight.size(0), bias) : at::linear(x, weight, bias);
-      }
-      return panel::linear(x, packed, weight.size(0), bias);
+    case Gemm::kPanels: return panel::linear(x, packed, weight.size(0), bias);
     case Gemm::kOnednn: return onednn_linear(x, packed, weight.size(0), bias);
     default: return mkl_linear(x, packed, weight, bias, x.numel() / x.size(-1));
   }

@@ -1,5 +1,7 @@
-// kvgraph's float32 GEMM for the row counts of decode steps (csrc/panel_gemm_cpu.cpp): the weight
-// packed once into panels of 32 columns, each panel's next one prefetched while it is multiplied. kvgraph_cpu::packed_linear (csrc/packed_linear_cpu.cpp) calls it.
+// kvgraph's float32 GEMM (csrc/panel_gemm_cpu.cpp): the weight packed once into panels of 32 (AVX-512)
+// or 16 (AVX2) columns, each panel's next one prefetched while it is multiplied at a decode step's
+// rows, and x blocked for the caches at a prompt's. kvgraph_cpu::packed_linear
+// (csrc/packed_linear_cpu.cpp) calls it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +14,6 @@ namespace panel {
 
 // Whether this build has the kernel: an AVX-512 or AVX2 build.
 bool available();
-
-// The most rows it multiplies faster than oneDNN's product with the plain weight: every row count
-// on an AVX-512 build, 256 on an AVX2 build (panel_gemm_cpu.cpp).
-int64_t max_rows();
 
 // w [N, K] float32 -> [ceil(N / C), K, C], zero padded; C, the columns of a panel, is 32 on an
 // AVX-512 build and 16 on an AVX2 build.

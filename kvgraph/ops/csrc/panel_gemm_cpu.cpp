@@ -1,4 +1,5 @@
-// kvgraph::panel: y = x @ W^T (+ bias) in float32 for the few-to-hundreds of rows of a decode step.
+// kvgraph::panel: y = x @ W^T (+ bias) in float32, for the few rows of a decode step and the
+// thousands of a prompt.
 //
 // At those row counts a step's linear layers read every weight from memory once and do 2 * rows
 // FLOPs per weight, too few to hide the reads: MKL's packed GEMM leaves the cores waiting on memory
@@ -10,7 +11,9 @@
 //   - at a decode step's rows, K is taken in chunks that every row block multiplies in turn, so
 //     the panel's chunk stays in L1 between blocks (the partial sums wait in the output);
 //   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
-//     so the next panel's reads overlap this one's arithmetic instead of following it.
+//     so the next panel's reads overlap this one's arithmetic instead of following it;
+//   - past kChunkedRows rows on AVX2 (a prompt), x is packed in blocks that stay in L2 and every
+//     panel multiplies each block in turn (blocked_linear).
 // Sums run over k in order with fused multiply-adds: the result is F.linear's to float32 rounding.
 
 #include "panel_gemm.h"
@@ -27,16 +30,17 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <limits>
 #include <utility>
 #include <vector>
 
 // AVX-512 and AVX2 builds. With AVX2 (panels of 16 columns, blocks of 6 rows, 4 k steps at once)
 // on a 2-core Zen 3 it multiplied llama-56m's linear layers in 0.51-0.58x oneDNN's packed product's
-// time at 1-16 rows, 0.77x at 32-64, 0.87x at 96 and 0.94x at 128; against oneDNN's product with
-// the plain weight it was 0.7-0.93x at 64-192 rows, equal at 256 and slower past it, where that
-// product takes over (max_rows; benchmarks/RESULTS.md). On an Intel CPU without AVX-512 it
-// measured 0.87-0.92x MKL's packed GEMM's speed from 32 rows on, so those keep MKL's.
+// time at 1-16 rows, 0.77x at 32-64, 0.87x at 96 and 0.94x at 128; with x blocked past 128 rows,
+// 0.81-0.96x oneDNN's product with the plain weight at 96-2048 rows (benchmarks/RESULTS.md). On an
+// Intel CPU without AVX-512 it measured 0.87-0.92x MKL's packed GEMM's speed from 32 rows on, so
+// those keep MKL's.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #define KVGRAPH_PANEL_GEMM 1
 #else
@@ -153,27 +157,136 @@ __attribute__((noinline)) void block(const float* a, int64_t lda, const float* b
   }
 }
 
+// c[r, 0:cols] (+)= ap's R rows . b[:, 0:cols] (+ bias), b K rows of a panel and ap R rows of x
+// packed k-major (ap[k * R + r]): the kernel of blocked_linear. Each x value is at a constant
+// offset of one pointer; block()'s stepped pointer cost it 1.1-1.3x the time here.
+template <int R>
+__attribute__((noinline)) void packed_block(const float* ap, const float* b, int64_t K, float* c, int64_t ldc,
+                                            int64_t cols, const float* bias, bool accumulate) {
+  const int64_t cols0 = std::min(cols, kLanes), cols1 = cols - cols0;
+  Simd acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = accumulate ? Simd(Vec::loadu(c + r * ldc, cols0)) : simd_set1(0.f);
+    acc1[r] = accumulate && cols1 > 0 ? Simd(Vec::loadu(c + r * ldc + kLanes, cols1)) : simd_set1(0.f);
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const Simd b0 = simd_load(b + k * kCols), b1 = simd_load(b + k * kCols + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Simd v = simd_set1(ap[k * R + r]);
+      acc0[r] = simd_fmadd(v, b0, acc0[r]);
+      acc1[r] = simd_fmadd(v, b1, acc1[r]);
+    }
+  }
+  Vec bias0(0.f), bias1(0.f);
+  if (bias != nullptr) {
+    bias0 = Vec::loadu(bias, cols0);
+    if (cols1 > 0) bias1 = Vec::loadu(bias + kLanes, cols1);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    (Vec(acc0[r]) + bias0).store(out, cols0);
+    if (cols1 > 0) (Vec(acc1[r]) + bias1).store(out + kLanes, cols1);
+  }
+}
+
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*, Prefetch, bool);
+
+using PackedBlockFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, const float*, bool);
 
 template <int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> blocks(std::integer_sequence<int, Rs...>) {
   return {block<Rs + 1>...};
 }
 
-// kBlocks[R - 1]: the kernel of an R-row block
+template <int... Rs>
+constexpr std::array<PackedBlockFn, sizeof...(Rs)> packed_blocks(std::integer_sequence<int, Rs...>) {
+  return {packed_block<Rs + 1>...};
+}
+
+// kBlocks[R - 1]: the kernel of an R-row block of x's rows; kPackedBlocks[R - 1], of packed rows
 constexpr auto kBlocks = blocks(std::make_integer_sequence<int, kRows>{});
+constexpr auto kPackedBlocks = packed_blocks(std::make_integer_sequence<int, kRows>{});
+
+// Rows split into as few register blocks as fit, of equal size (within one): 13 rows are 7 + 6,
+// not 12 + 1, whose one-row block would read the whole panel again for a sixth of the arithmetic.
+struct RowBlocks {
+  int64_t count, base, longer;  // blocks; rows of each; how many (the first) have one more
+  explicit RowBlocks(int64_t rows)
+      : count((rows + kRows - 1) / kRows), base(rows / count), longer(rows % count) {}
+  int64_t rows(int64_t block) const { return base + (block < longer ? 1 : 0); }
+};
+
+// From this many rows a GEMM is cache blocked (blocked_linear), past the rows whose K chunks keep
+// a panel in L1 (kChunkedRows). Measured on AVX2 only: an AVX-512 build keeps whole panels.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kBlockedRows = std::numeric_limits<int64_t>::max();
+#else
+constexpr int64_t kBlockedRows = kChunkedRows + 1;
+#endif
+constexpr int64_t kBlockRows = 96;  // rows of x a blocked GEMM packs at once: 16 AVX2 register blocks
+constexpr int64_t kBlockK = 256;  // k steps of them: 96 KB of x in L2, 16 KB of a panel in L1
+
+// kBlockedRows, or KVGRAPH_PANEL_BLOCKED_ROWS (read at each call: the tests run both loop nests
+// at every shape)
+int64_t blocked_rows() {
+  const char* env = std::getenv("KVGRAPH_PANEL_BLOCKED_ROWS");
+  return env != nullptr && *env != '\0' ? std::max<int64_t>(1, std::atoll(env)) : kBlockedRows;
+}
+
+// The GEMM of a prompt's rows, blocked for the caches as BLIS does (Van Zee and van de Geijn,
+// 2015): x is taken kBlockRows rows by kBlockK k steps at a time, packed k-major by register block
+// into a buffer that stays in L2, and each panel's kBlockK rows (16 KB, in L1) multiply every
+// register block of it in turn. Unblocked, each panel's pass at 2048 rows reads all of x (4 MB at
+// K = 512) again from L3. Each thread takes a share of the panels over all of x, packing x's
+// blocks itself. On a 2-core Zen 3, llama-56m's 56 linear layers took 0.92-0.98x the time of
+// whole panels at 96-192 and 1024-2048 rows (equal at 256-512) and 0.81-0.96x oneDNN's product
+// with the plain weight at 96-2048 rows (benchmarks/RESULTS.md).
+void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_t P, int64_t n, const float* bias,
+                    float* c) {
+  const int64_t row_groups = (M + kBlockRows - 1) / kBlockRows;
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(P, at::get_num_threads()));
+  at::parallel_for(0, row_groups * shares, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buffer(kBlockRows * std::min(K, kBlockK));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / row_groups, g = i % row_groups;  // a thread's items: one share, every row group
+      const int64_t m0 = g * kBlockRows, mn = std::min(kBlockRows, M - m0);
+      const int64_t p0 = P * s / shares, p1 = P * (s + 1) / shares;
+      const RowBlocks blocks(mn);
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const int64_t kn = std::min(kBlockK, K - k0);
+        const bool last = k0 + kn == K;
+        float* dst = buffer.data();
+        for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
+          const int64_t rows = blocks.rows(rb);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* src = a + (r0 + r) * K + k0;
+            for (int64_t k = 0; k < kn; ++k) dst[k * rows + r] = src[k];
+          }
+          dst += rows * kn;
+        }
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+          const float* panel = w + (p * K + k0) * kCols;
+          const float* packed = buffer.data();
+          for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
+            const int64_t rows = blocks.rows(rb);
+            kPackedBlocks[rows - 1](packed, panel, kn, c + r0 * n + n0, n, cols, last && bias != nullptr ? bias + n0 : nullptr,
+                                    k0 > 0);
+            packed += rows * kn;
+          }
+        }
+      }
+    }
+  });
+}
 
 }  // namespace
 
 bool available() { return KVGRAPH_PANEL_GEMM; }
-
-int64_t max_rows() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return std::numeric_limits<int64_t>::max();
-#else
-  return 256;
-#endif
-}
 
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel::pack takes a float32 matrix, got ",
@@ -217,10 +330,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
   const float* w = packed.const_data_ptr<float>();
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
   float* c = y.mutable_data_ptr<float>();
-  // rows in as few register blocks as fit, of equal size (within one): 13 rows are 7 + 6, not
-  // 12 + 1, whose one-row block would read the whole panel again for a sixth of the arithmetic
-  const int64_t row_blocks = (M + kRows - 1) / kRows;
-  const int64_t base_rows = M / row_blocks, longer = M % row_blocks;  // the first `longer` get one more
+  if (M >= blocked_rows()) {
+    blocked_linear(a, M, K, w, P, n, bp, c);
+    return y;
+  }
+  const RowBlocks blocks(M);
+  const int64_t row_blocks = blocks.count;
   // K in chunks whose share of a panel stays in L1 while every row block reads it, at a decode
   // step's rows (2-128 rows: 1.06-1.2x whole panels at 32-64 rows; more rows measured no better)
   const bool chunked = row_blocks > 1 && M <= kChunkedRows && K > kKChunk * 3 / 2;
@@ -238,7 +353,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, cons
         const int64_t k0 = kc * k_chunk, kn = std::min(k_chunk, K - k0);
         const bool last = kc + 1 == k_chunks;
         for (int64_t rb = 0, r0 = 0; rb < row_blocks; ++rb) {
-          const int64_t rows = base_rows + (rb < longer ? 1 : 0);
+          const int64_t rows = blocks.rows(rb);
           Prefetch next;
           if (following != nullptr) {
             const int64_t first = std::min(panel_lines, (kc * row_blocks + rb) * share);
