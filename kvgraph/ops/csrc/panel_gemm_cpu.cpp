@@ -113,17 +113,43 @@ __attribute__((always_inline)) inline void multiply_add(Simd (&acc0)[R], Simd (&
   }
 }
 
-// c[r, 0:cols] = a[r, :] . b[:, 0:cols] (+ bias) for R rows of a (row stride lda), b one panel.
+// A block's sums: c's R rows (cols columns, row stride ldc) where it adds to them, else zeros.
 template <int R>
-__attribute__((noinline)) void block(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
-                                     int64_t cols, const float* bias, Prefetch next, bool accumulate) {
+__attribute__((always_inline)) inline void start_sums(Simd (&acc0)[R], Simd (&acc1)[R], const float* c, int64_t ldc,
+                                                      int64_t cols, bool accumulate) {
   const int64_t cols0 = std::min(cols, kLanes), cols1 = cols - cols0;
-  Simd acc0[R], acc1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     acc0[r] = accumulate ? Simd(Vec::loadu(c + r * ldc, cols0)) : simd_set1(0.f);
     acc1[r] = accumulate && cols1 > 0 ? Simd(Vec::loadu(c + r * ldc + kLanes, cols1)) : simd_set1(0.f);
   }
+}
+
+// c's R rows = a block's sums (+ bias). Unrolled like the loops over the rows: an indexed
+// accumulator would keep them all in memory.
+template <int R>
+__attribute__((always_inline)) inline void finish_sums(const Simd (&acc0)[R], const Simd (&acc1)[R], float* c, int64_t ldc,
+                                                       int64_t cols, const float* bias) {
+  const int64_t cols0 = std::min(cols, kLanes), cols1 = cols - cols0;
+  Vec bias0(0.f), bias1(0.f);
+  if (bias != nullptr) {
+    bias0 = Vec::loadu(bias, cols0);
+    if (cols1 > 0) bias1 = Vec::loadu(bias + kLanes, cols1);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    (Vec(acc0[r]) + bias0).store(out, cols0);
+    if (cols1 > 0) (Vec(acc1[r]) + bias1).store(out + kLanes, cols1);
+  }
+}
+
+// c[r, 0:cols] = a[r, :] . b[:, 0:cols] (+ bias) for R rows of a (row stride lda), b one panel.
+template <int R>
+__attribute__((noinline)) void block(const float* a, int64_t lda, const float* b, int64_t K, float* c, int64_t ldc,
+                                     int64_t cols, const float* bias, Prefetch next, bool accumulate) {
+  Simd acc0[R], acc1[R];
+  start_sums<R>(acc0, acc1, c, ldc, cols, accumulate);
   // the next panel's lines this block still prefetches: a group of steps' worth at a time
   const char* ahead = next.from;
   int64_t ahead_lines = next.lines;
@@ -143,18 +169,7 @@ __attribute__((noinline)) void block(const float* a, int64_t lda, const float* b
     if (ahead_lines > 0) prefetch(1);
     multiply_add<R>(acc0, acc1, a + k, lda, b + k * kCols);
   }
-  Vec bias0(0.f), bias1(0.f);
-  if (bias != nullptr) {
-    bias0 = Vec::loadu(bias, cols0);
-    if (cols1 > 0) bias1 = Vec::loadu(bias + kLanes, cols1);
-  }
-  // unrolled like the loops above: an indexed accumulator would keep them all in memory
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    float* out = c + r * ldc;
-    (Vec(acc0[r]) + bias0).store(out, cols0);
-    if (cols1 > 0) (Vec(acc1[r]) + bias1).store(out + kLanes, cols1);
-  }
+  finish_sums<R>(acc0, acc1, c, ldc, cols, bias);
 }
 
 // c[r, 0:cols] (+)= ap's R rows . b[:, 0:cols] (+ bias), b K rows of a panel and ap R rows of x
@@ -163,13 +178,8 @@ __attribute__((noinline)) void block(const float* a, int64_t lda, const float* b
 template <int R>
 __attribute__((noinline)) void packed_block(const float* ap, const float* b, int64_t K, float* c, int64_t ldc,
                                             int64_t cols, const float* bias, bool accumulate) {
-  const int64_t cols0 = std::min(cols, kLanes), cols1 = cols - cols0;
   Simd acc0[R], acc1[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = accumulate ? Simd(Vec::loadu(c + r * ldc, cols0)) : simd_set1(0.f);
-    acc1[r] = accumulate && cols1 > 0 ? Simd(Vec::loadu(c + r * ldc + kLanes, cols1)) : simd_set1(0.f);
-  }
+  start_sums<R>(acc0, acc1, c, ldc, cols, accumulate);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     const Simd b0 = simd_load(b + k * kCols), b1 = simd_load(b + k * kCols + kLanes);
@@ -180,17 +190,7 @@ __attribute__((noinline)) void packed_block(const float* ap, const float* b, int
       acc1[r] = simd_fmadd(v, b1, acc1[r]);
     }
   }
-  Vec bias0(0.f), bias1(0.f);
-  if (bias != nullptr) {
-    bias0 = Vec::loadu(bias, cols0);
-    if (cols1 > 0) bias1 = Vec::loadu(bias + kLanes, cols1);
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    float* out = c + r * ldc;
-    (Vec(acc0[r]) + bias0).store(out, cols0);
-    if (cols1 > 0) (Vec(acc1[r]) + bias1).store(out + kLanes, cols1);
-  }
+  finish_sums<R>(acc0, acc1, c, ldc, cols, bias);
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*, Prefetch, bool);
