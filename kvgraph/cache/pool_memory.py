@@ -12,8 +12,9 @@ never written from here: its pages are mapped up front by ``madvise(MADV_POPULAT
 5.14), split over the process's intra-op threads (the call releases the GIL). Zeroing 2 GB by
 writing it after the faults took 1.0-2.0 s in huge pages on a 2-core Zen 3 VM; populated, 0.26-0.8
 s. (A pool left to be faulted in as sequences first use it measured no faster end to end, so it is
-populated before the first step.) A kernel without ``MADV_POPULATE_WRITE`` has the pool faulted in
-by writing zeros over it.
+populated before the first step; populated on a thread of its own while a precompiled graph loads,
+it made the start no shorter: the loader left no core idle.) A kernel without
+``MADV_POPULATE_WRITE`` has the pool faulted in by writing zeros over it.
 ``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it does for the packed weights
 (``kvgraph/ops/csrc/pack_arena.cpp``).
 """
