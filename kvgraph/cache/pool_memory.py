@@ -8,13 +8,16 @@ that where transparent huge pages are on ``madvise`` (a common default) the kern
 (``benchmarks/RESULTS.md``).
 
 The pool is a fresh anonymous mapping, whose pages the kernel zeroes as it first maps them, so it is
-never written from here: its pages are mapped up front by ``madvise(MADV_POPULATE_WRITE)`` (Linux
-5.14), split over the process's intra-op threads (the call releases the GIL). Zeroing 2 GB by
-writing it after the faults took 1.0-2.0 s in huge pages on a 2-core Zen 3 VM; populated, 0.26-0.8
-s. (A pool left to be faulted in as sequences first use it measured no faster end to end, so it is
-populated before the first step; populated on a thread of its own while a precompiled graph loads,
-it made the start no shorter: the loader left no core idle.) A kernel without
-``MADV_POPULATE_WRITE`` has the pool faulted in by writing zeros over it.
+never written from here. By default (``KVGRAPH_POOL_POPULATE=lazy``) its pages are left to be
+mapped where a step first writes them: a start does not pay for the whole pool, a run pays for the
+pages it uses, and the pool takes memory only as it is used. Mapping is the dear part on a virtual
+machine: mapping a 2 GB pool up front took 2.5-4 CPU-seconds of kernel time on a 2-core Zen 3 VM,
+1.2-1.9 s of a start, while ``llama-56m``'s runs measured the same either way within that host's
+noise (lazy / eager time, medians of seven alternating pairs: ``mixed`` 0.90, ``decode-heavy``
+1.05; ``benchmarks/RESULTS.md``). ``eager`` maps the whole pool before it is returned, by
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) split over the intra-op threads (the call releases
+the GIL), so that no step ever takes a fault (a kernel that refuses it has the pool written with
+zeros instead).
 ``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it does for the packed weights
 (``kvgraph/ops/csrc/pack_arena.cpp``).
 """
@@ -30,15 +33,27 @@ import threading
 
 import torch
 
+from kvgraph.errors import ConfigError
+
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and most arm64 kernels
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without writing them
 POPULATE_SPLIT = 64 << 20  # bytes a populating thread takes at least
+POPULATE_MODES = ("lazy", "eager")
 
 
 def enabled() -> bool:
     """Whether pools are advised for huge pages (``KVGRAPH_HUGE_PAGES`` other than ``0``)."""
     return os.environ.get("KVGRAPH_HUGE_PAGES", "1") != "0"
+
+
+def populate_mode() -> str:
+    """How a new pool's pages get mapped (``KVGRAPH_POOL_POPULATE``, read at each allocation): one of
+    ``POPULATE_MODES``; a ``ConfigError`` naming any other value."""
+    mode = os.environ.get("KVGRAPH_POOL_POPULATE", "lazy")
+    if mode not in POPULATE_MODES:
+        raise ConfigError(f"KVGRAPH_POOL_POPULATE={mode!r}; expected one of {', '.join(POPULATE_MODES)}")
+    return mode
 
 
 def _madvise(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
@@ -73,19 +88,19 @@ def _populate(address: int, length: int) -> bool:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``; for a pool of 2 MB or more on a Linux CPU,
     a view that starts on a 2 MB boundary of a fresh anonymous mapping advised for huge pages before
-    its pages were mapped."""
+    its pages were mapped, mapped as ``populate_mode()`` says."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
+    mode = populate_mode()
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped with the tensor
     offset = -raw.data_ptr() % HUGE_PAGE
     start = raw.data_ptr() + offset
     _madvise(start, nbytes // HUGE_PAGE * HUGE_PAGE)  # advice: without THP, 4 KB pages
     pool = raw[offset : offset + nbytes].view(dtype).view(shape)
-    pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    if not _populate(start, pages):
-        pool.zero_()  # an older kernel: the first writes fault the pages in
+    if mode == "eager" and not _populate(start, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE):
+        pool.zero_()  # a kernel before Linux 5.14: faulted in by writing it
     return pool

@@ -214,6 +214,10 @@ def default_directory() -> Path:
     return Path(cache_dir()) / "kvgraph" / "precompiled"
 
 
+RUNTIME_ONLY_ENV = frozenset({"KVGRAPH_POOL_POPULATE", "KVGRAPH_HUGE_PAGES"})
+"""``KVGRAPH_`` settings no compiled graph depends on (how memory is mapped): left out of the key."""
+
+
 def precompile_key(model: torch.nn.Module, params: KVCacheParams, options: dict[str, object]) -> str:
     """A digest of everything a graph of ``model`` compiled for ``params`` with the backend's
     ``options`` depends on, besides what Dynamo's serialisable guards check on every load."""
@@ -244,7 +248,7 @@ def precompile_key(model: torch.nn.Module, params: KVCacheParams, options: dict[
     for file in sorted(_class_sources(model)):
         add(file, _file_digest(file))
     add(params, _kernels(params), sorted(options.items()), _inductor_settings(inductor_config),
-        sorted((k, v) for k, v in os.environ.items() if k.startswith("KVGRAPH_")))
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("KVGRAPH_") and k not in RUNTIME_ONLY_ENV))
     return h.hexdigest()[:32]
 
 

@@ -1,6 +1,7 @@
 """A CPU cache pool's memory: zeroed, shaped and typed as ``torch.zeros``; from 2 MB up on Linux it
-starts on a 2 MB boundary of a mapping advised for transparent huge pages, resident before it is
-returned and unmapped with the pool, which ``KVGRAPH_HUGE_PAGES=0`` turns off; other devices and
+starts on a 2 MB boundary of a mapping advised for transparent huge pages, mapped page by page as
+it is first written (``KVGRAPH_POOL_POPULATE=lazy``, the default) or before it is returned
+(``eager``), and unmapped with the pool, which ``KVGRAPH_HUGE_PAGES=0`` turns off; other devices and
 small pools are plain ``torch.zeros``."""
 
 import sys
@@ -11,6 +12,7 @@ import torch
 from kvgraph.cache import pool_memory
 from kvgraph.cache.managers import PagedKVCacheManager
 from kvgraph.cache.params import KVCacheParams
+from kvgraph.errors import ConfigError
 from tests.huge_pages import resident_bytes, thp_eligible, thp_mode
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
@@ -36,8 +38,22 @@ def test_a_large_pool_starts_on_a_huge_page_of_advised_memory():
 
 
 @linux
+def test_a_pool_maps_only_the_pages_written_by_default(monkeypatch):
+    monkeypatch.delenv("KVGRAPH_POOL_POPULATE", raising=False)
+    pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    address, nbytes = pool.data_ptr(), pool.numel() * 4
+    assert resident_bytes(address) == 0  # nothing mapped yet: the start paid for no page
+    pool[-1, -1, -1, -1, -1, -1] = 1.0
+    assert 0 < resident_bytes(address) <= pool_memory.HUGE_PAGE < nbytes  # the page written, no other
+    assert int(pool.count_nonzero()) == 1
+    del pool
+    assert resident_bytes(address) is None
+
+
+@linux
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_large_pool_is_resident_before_it_is_returned_and_unmapped_with_it(monkeypatch, threads):
+def test_an_eager_pool_is_resident_before_it_is_returned_and_unmapped_with_it(monkeypatch, threads):
+    monkeypatch.setenv("KVGRAPH_POOL_POPULATE", "eager")
     monkeypatch.setattr(pool_memory, "POPULATE_SPLIT", 2 << 20)  # slices for two threads from 4 MB
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -53,12 +69,22 @@ def test_a_large_pool_is_resident_before_it_is_returned_and_unmapped_with_it(mon
 
 
 @linux
-def test_a_kernel_refusing_to_populate_still_gives_a_writable_zero_pool(monkeypatch):
+def test_a_kernel_refusing_to_populate_still_gives_a_resident_zero_pool(monkeypatch):
+    monkeypatch.setenv("KVGRAPH_POOL_POPULATE", "eager")
     monkeypatch.setattr(pool_memory, "MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14
     pool = pool_memory.zeros(POOL, torch.float32, "cpu")
+    assert resident_bytes(pool.data_ptr()) >= pool.numel() * 4  # written with zeros instead
     assert not pool.any()
     pool.fill_(2.0)
     assert float(pool.sum()) == 2.0 * pool.numel()
+
+
+@linux
+@pytest.mark.parametrize("value", ["background", "EAGER", ""])
+def test_an_unknown_populate_mode_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("KVGRAPH_POOL_POPULATE", value)
+    with pytest.raises(ConfigError, match=f"KVGRAPH_POOL_POPULATE='{value}'.*lazy, eager"):
+        pool_memory.zeros(POOL, torch.float32, "cpu")
 
 
 @linux

@@ -126,6 +126,16 @@ def test_the_key_follows_the_model_the_cache_layout_and_the_options():
     assert precompile_key(wider, params(), OPTIONS) != key
 
 
+def test_the_key_follows_kvgraphs_settings_but_not_how_memory_is_mapped(monkeypatch):
+    model = fresh_model()
+    key = precompile_key(model, params(), OPTIONS)
+    monkeypatch.setenv("KVGRAPH_POOL_POPULATE", "eager")
+    monkeypatch.setenv("KVGRAPH_HUGE_PAGES", "0")
+    assert precompile_key(model, params(), OPTIONS) == key
+    monkeypatch.setenv("KVGRAPH_CPU_ATTENTION", "sdpa")  # a setting the lowered graph may follow
+    assert precompile_key(model, params(), OPTIONS) != key
+
+
 def test_a_damaged_file_is_set_aside_with_a_warning_and_written_again(tmp_path):
     first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
     decode(first, first.manager, prompts=ONE)
