@@ -56,6 +56,31 @@ def populate_mode() -> str:
     return mode
 
 
+def available_bytes() -> int | None:
+    """Linux's estimate of the memory a new allocation can take without swapping (``MemAvailable``
+    of ``/proc/meminfo``), in bytes; ``None`` where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(nbytes: int) -> None:
+    """A ``ConfigError`` naming both sizes if a CPU pool of ``nbytes`` is more than the memory
+    available: its pages are mapped as steps first write them, and a pool that cannot fit would end
+    the process when it fills (the prefix cache's reuse order reaches every page in time), not here."""
+    available = available_bytes()
+    if available is not None and nbytes > available:
+        raise ConfigError(
+            f"the KV cache pool needs {nbytes} bytes, more than the {available} bytes of memory available "
+            f"(MemAvailable); lower kv_cache_memory (or max_batch_size * max_seq_len)"
+        )
+
+
 def _madvise(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
     """``madvise(address, length, advice)``; False where it failed or libc has none."""
     try:

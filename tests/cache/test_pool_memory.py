@@ -108,3 +108,17 @@ def test_a_paged_managers_pool_is_advised():
     manager = PagedKVCacheManager(params, 4, 256, num_pages=64)  # 8 MB
     assert manager.device_blocks[0].data_ptr() % pool_memory.HUGE_PAGE == 0
     assert not manager.device_blocks[0].any()
+
+
+def test_a_pool_larger_than_the_memory_available_is_refused_naming_both_sizes(monkeypatch):
+    monkeypatch.setattr(pool_memory, "available_bytes", lambda: 4 << 20)
+    params = KVCacheParams(dtype=torch.float32, n_kv_heads=4, head_dim=64, num_layers=4, page_size=16)
+    with pytest.raises(ConfigError, match=r"needs 8388608 bytes, more than the 4194304 bytes of memory available"):
+        PagedKVCacheManager(params, 4, 256, num_pages=64)  # 8 MB
+    assert PagedKVCacheManager(params, 4, 256, num_pages=16).device_blocks[0].shape[0] == 16  # 2 MB fits
+
+
+@linux
+def test_the_memory_available_is_read_from_the_kernel():
+    available = pool_memory.available_bytes()
+    assert available is not None and 0 < available
