@@ -12,12 +12,13 @@ never written from here. By default (``KVGRAPH_POOL_POPULATE=lazy``) its pages a
 mapped where a step first writes them: a start does not pay for the whole pool, a run pays for the
 pages it uses, and the pool takes memory only as it is used. Mapping is the dear part on a virtual
 machine: mapping a 2 GB pool up front took 2.5-4 CPU-seconds of kernel time on a 2-core Zen 3 VM,
-1.2-1.9 s of a start, while ``llama-56m``'s runs measured the same either way within that host's
-noise (lazy / eager time, medians of seven alternating pairs: ``mixed`` 0.90, ``decode-heavy``
-1.05; ``benchmarks/RESULTS.md``). ``eager`` maps the whole pool before it is returned, by
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) split over the intra-op threads (the call releases
-the GIL), so that no step ever takes a fault (a kernel that refuses it has the pool written with
-zeros instead).
+1.2-2.2 s of a start; left to first writes, those pages cost a fresh engine's first run of
+``llama-56m`` a few percent (lazy / eager time, medians of ten alternating pairs: ``mixed`` 0.94,
+``decode-heavy`` 1.06; ``benchmarks/pool_populate.py``), and later runs nothing once the pages
+they reuse are mapped (mapping a 2 MB page cost 2.3-3.6x what 512 4 KB pages did there).
+``eager`` maps the whole pool before it is returned, by ``madvise(MADV_POPULATE_WRITE)`` (Linux
+5.14) split over the intra-op threads (the call releases the GIL), so that no step ever takes a
+fault (a kernel that refuses it has the pool written with zeros instead).
 ``KVGRAPH_HUGE_PAGES=0`` (read at each allocation) turns it off, as it does for the packed weights
 (``kvgraph/ops/csrc/pack_arena.cpp``).
 """
