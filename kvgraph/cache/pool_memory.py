@@ -72,8 +72,9 @@ def available_bytes() -> int | None:
 
 def check_fits(nbytes: int) -> None:
     """A ``ConfigError`` naming both sizes if a CPU pool of ``nbytes`` is more than the memory
-    available: its pages are mapped as steps first write them, and a pool that cannot fit would end
-    the process when it fills (the prefix cache's reuse order reaches every page in time), not here."""
+    available. With its pages mapped as steps first write them (the default), a pool that cannot fit
+    would otherwise end the process once it fills (the prefix cache's reuse order reaches every page
+    in time); mapped up front, at the start, without saying why."""
     available = available_bytes()
     if available is not None and nbytes > available:
         raise ConfigError(
@@ -115,12 +116,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """``torch.zeros(shape, dtype=dtype, device=device)``; for a pool of 2 MB or more on a Linux CPU,
     a view that starts on a 2 MB boundary of a fresh anonymous mapping advised for huge pages before
     its pages were mapped, mapped as ``populate_mode()`` says."""
+    mode = populate_mode()  # a bad value is refused whichever memory this pool gets
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
-    mode = populate_mode()
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped with the tensor
     offset = -raw.data_ptr() % HUGE_PAGE
