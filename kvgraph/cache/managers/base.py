@@ -10,7 +10,6 @@ implementing ``_new_sequence``, ``_free_sequence``, ``_fits``, ``_reserve`` and
 from __future__ import annotations
 
 import abc
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -159,13 +158,11 @@ class KVCacheManager(abc.ABC):
         for a quantized cache zeroed scales ``[..., scales_per_head]`` beside them."""
         p = self.params
         shape = (num_blocks, 2, p.num_layers, rows, p.n_kv_heads_per_device, p.head_dim)
-        scale_shape = (*shape[:-1], p.scales_per_head) if p.quantized else None
-        per_device = math.prod(shape) * p.dtype.itemsize
-        if p.quantized:
-            per_device += math.prod(scale_shape) * p.kvcache_quant_config.scale_dtype.itemsize
+        per_device = p.bytes_per_token // p.n_devices * num_blocks * rows  # K/V and their scales
         pool_memory.check_fits(per_device * sum(1 for d in self.devices if torch.device(d).type == "cpu"))
         self.device_blocks = [pool_memory.zeros(shape, p.dtype, d) for d in self.devices]
         if p.quantized:
+            scale_shape = (*shape[:-1], p.scales_per_head)
             dtype = p.kvcache_quant_config.scale_dtype
             self.device_scales = [pool_memory.zeros(scale_shape, dtype, d) for d in self.devices]
 
