@@ -11,6 +11,12 @@ A start of a setting is two processes, each timed from its launch:
 - ``kvgraph serve --model M --port 0``: ``ready_s``, until it logs its ready line (the engine
   compiled and warm, the HTTP server listening), which also says how the graphs came to be.
 
+With ``--other-threads N``, ``other_threads`` is a generate and a serve process with ``--threads N``
+on what the second start left, and ``default_threads_again`` a generate process after them: a
+restart on another thread count (``kvgraph serve``'s engine takes a core fewer than ``generate`` on
+a host of more than 2), whose graphs load (no Inductor cache hits or misses: nothing compiled) or
+are compiled again.
+
 With ``--serve-first``, ``first_serve`` is a serve process on another empty cache: serve compiles
 in the background by default, so ``ready_s`` is its ready line with the lowered graph running
 uncompiled, ``compiled_s`` the moment it says the compile worker's graphs load (idle, so no request
@@ -93,6 +99,10 @@ def main() -> None:
     parser.add_argument("--cpp-wrapper", default="auto",
                         help="comma-separated: auto (the engine's default: C++ on the CPU), on, off "
                         "(Inductor's C++ or Python wrapper, --cpp-wrapper)")
+    parser.add_argument("--other-threads", type=int, metavar="N",
+                        help="after the second start, a generate and a serve process with --threads N on the same "
+                        "files, then a generate with the default threads again (a restart on another thread count: "
+                        "the graphs load, or are compiled again)")
     parser.add_argument("--serve-first", action="store_true",
                         help="also a serve process on an empty cache (compiling in the background) and a "
                         "second one on what its compile worker wrote")
@@ -112,6 +122,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
             results[name] = {"first": start(args.model, flags, cache_dir, serve=False),
                              "second": start(args.model, flags, cache_dir, serve=True)}
+            if args.other_threads is not None:
+                results[name]["other_threads"] = start(args.model, [*flags, "--threads", str(args.other_threads)],
+                                                       cache_dir, serve=True)
+                results[name]["default_threads_again"] = start(args.model, flags, cache_dir, serve=False)
         if args.serve_first:
             with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}

@@ -621,15 +621,20 @@ class CompiledModel:
         store = self.precompile
         if shape_class == SHAPE_CLASSES[0]:  # a step of one token may come first: shown its graph as one of two
             args, kwargs = tuple(_two_tokens(a) for a in args), {k: _two_tokens(v) for k, v in kwargs.items()}
-        compiled = store.load(shape_class)
-        if compiled is not None:
-            if compiled.guard_check(self.model, *args, **kwargs):
+        loaded = store.load(shape_class)
+        if loaded is not None:
+            compiled = loaded.function
+            with intra_op_threads(loaded.threads):  # the count it was captured on (see LoadedGraph)
+                passed = compiled.guard_check(self.model, *args, **kwargs)
+                if not passed:
+                    reason = compiled._artifacts.guard_manager.check_verbose(
+                        compiled.prepare_f_locals(self.model, *args, **kwargs))
+            if passed:
                 self.loaded_graphs += 1
                 runner = compiled._artifacts.compiled_fn
                 if self.backend.windows.known is None and getattr(runner, "windows", None) is not None:
                     self.backend.windows.known = runner.windows
                 return self._install(shape_class, compiled)
-            reason = compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(self.model, *args, **kwargs))
             store.discard(shape_class, f"its guards refuse this call: {reason.verbose_code_parts}")
         examples = [_marked_copy(a) for a in args], {k: _marked_copy(v) for k, v in kwargs.items()}
         self.backend.serializable = True

@@ -15,7 +15,8 @@ sources, the versions of torch and transformers, Inductor's settings and the CPU
 sets. Guards that cannot be written to disk (object identities, globals) are left out of the file
 for that reason: the key stands for them. A file that cannot be read, was written for another
 system, or whose guards refuse the first call is set aside with a warning, and the graph is
-compiled afresh and written again.
+compiled afresh and written again. The guards' intra-op thread count is the one the file was
+captured on (:class:`LoadedGraph`): the compiled kernels run on any.
 
 Only graphs lowered for one fixed cache layout (a manager's) and compiled by Inductor without
 frozen weights can be written: frozen weights are constants inside the compiled graph.
@@ -49,8 +50,8 @@ from kvgraph.compiler.direct_kernels import typed_kernel_errors
 from kvgraph.compiler.isa_probes import remember_isa_probes
 from kvgraph.compiler.runtime import check_fit, intra_op_threads, require_binding
 
-FORMAT = 1
-"""Bumped when what a file holds changes."""
+FORMAT = 2
+"""Bumped when what a file holds changes (2: the intra-op thread count it was captured with)."""
 SHAPE_CLASSES = ("tokens", "one-token")
 """A graph for steps of several new tokens (``T > 1``, dynamic) and one for ``T == 1``."""
 
@@ -121,6 +122,23 @@ class SerializableRunner(SerializableCallable):
 
 
 @dataclass(frozen=True)
+class LoadedGraph:
+    """A graph read from its file: the ``AOTCompiledFunction``, and the intra-op thread count of the
+    process that captured it.
+
+    Dynamo's guards hold that count among the global state (``torch.get_num_threads()``), but the
+    compiled graph does not depend on it: Inductor's CPU kernels take the count at run time
+    (``cpp.dynamic_threads``, set by the backend), and the engine runs them on other counts once the
+    guards have passed (``kvgraph.engine.threads``). The first call's guards are checked on
+    ``threads``, so a file written by ``kvgraph generate`` on every core serves ``kvgraph serve``'s
+    engine on all but one (and ``--threads N`` of any N), instead of being set aside and compiled
+    again at each alternation."""
+
+    function: Any
+    threads: int
+
+
+@dataclass(frozen=True)
 class PrecompileStore:
     """Where one compiled model's graphs are kept: ``directory/<key>-<shape class>.bin``."""
 
@@ -131,13 +149,14 @@ class PrecompileStore:
         return self.directory / f"{self.key}-{shape_class}.bin"
 
     def save(self, shape_class: str, compiled: Any) -> bool:
-        """Write ``compiled`` (an ``AOTCompiledFunction``); ``False``, with a warning, when it cannot be."""
+        """Write ``compiled`` (an ``AOTCompiledFunction``, just captured: the thread count now is the
+        one its guards hold); ``False``, with a warning, when it cannot be."""
         from torch._dynamo.aot_compile import AOTCompiledFunction, atomic_write_binary
 
         path = self.path(shape_class)
         try:
             modules = _module_globals(compiled)
-            data = pickle.dumps({"format": FORMAT, "modules": modules,
+            data = pickle.dumps({"format": FORMAT, "modules": modules, "threads": torch.get_num_threads(),
                                  "function": AOTCompiledFunction.serialize(compiled).serialized_data})
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_binary(str(path), data)
@@ -158,9 +177,9 @@ class PrecompileStore:
         for _, path in sorted(found, reverse=True)[MAX_FILES:]:
             path.unlink(missing_ok=True)
 
-    def load(self, shape_class: str) -> Any | None:
-        """The ``AOTCompiledFunction`` written for ``shape_class``; ``None`` when there is none or it
-        cannot be read (then with a warning, and the file is removed)."""
+    def load(self, shape_class: str) -> LoadedGraph | None:
+        """The graph written for ``shape_class``; ``None`` when there is none or it cannot be read
+        (then with a warning, and the file is removed)."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         path = self.path(shape_class)
@@ -177,7 +196,8 @@ class PrecompileStore:
             if record["format"] != FORMAT:
                 raise PrecompileError(f"file format {record['format']}, this kvgraph reads {FORMAT}")
             f_globals = {name: importlib.import_module(module) for name, module in record["modules"].items()}
-            return AOTCompiledFunction.deserialize(record["function"], f_globals=f_globals)
+            return LoadedGraph(AOTCompiledFunction.deserialize(record["function"], f_globals=f_globals),
+                               record["threads"])
         except Exception as e:  # noqa: BLE001 - a stale or damaged file: compile afresh
             self.discard(shape_class, f"{type(e).__name__}: {e}")
             return None

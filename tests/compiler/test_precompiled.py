@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 import kvgraph
 from kvgraph.compiler.precompiled import SHAPE_CLASSES, precompile_key
+from kvgraph.compiler.runtime import intra_op_threads
 from kvgraph.errors import ConfigError
 from tests.compiler.toy import ToyDecoder, decode, manager, params
 
@@ -165,6 +166,22 @@ def test_a_graph_whose_guards_refuse_the_call_is_compiled_afresh(tmp_path):
     with pytest.warns(RuntimeWarning, match="its guards refuse this call"):
         decode(second, second.manager, steps=1, prompts=[[4]])  # T == 1 first: shown two tokens, refused
     assert second.loaded_graphs == 0 and second.written_graphs == 1
+
+
+@pytest.mark.parametrize("written, read", [(2, 1), (1, 2)])
+def test_a_graph_captured_on_one_thread_count_loads_on_another(tmp_path, written, read, recwarn):
+    """Dynamo's guards hold the thread count, the compiled kernels do not depend on it: the file is
+    loaded, not set aside (``kvgraph serve``'s engine runs on a core fewer than ``generate``)."""
+    with intra_op_threads(written):
+        first = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+        decode(first, first.manager, prompts=ONE)
+    assert first.written_graphs == 1
+    with intra_op_threads(read):
+        second = kvgraph.compile(fresh_model(), manager=manager(), precompile=tmp_path)
+        decode(second, second.manager, steps=3, prompts=ONE)  # checked against eager
+        assert torch.get_num_threads() == read  # the guards' count only while they are checked
+    assert second.loaded_graphs == 1 and second.written_graphs == 0
+    assert not [w for w in recwarn if "set aside" in str(w.message)]
 
 
 def test_precompile_needs_a_manager_inductor_and_unfrozen_weights(tmp_path):
