@@ -14,8 +14,10 @@ A start of a setting is two processes, each timed from its launch:
 With ``--other-threads N``, ``other_threads`` is a generate and a serve process with ``--threads N``
 on what the second start left, and ``default_threads_again`` a generate process after them: a
 restart on another thread count (``kvgraph serve``'s engine takes a core fewer than ``generate`` on
-a host of more than 2), whose graphs load (no Inductor cache hits or misses: nothing compiled) or
-are compiled again.
+a host of more than 2), whose graphs load or are compiled again: the ``warmup_s`` of a load is the
+second start's, that of a compile several times it (a compile from Inductor's on-disk cache counts
+no hits or misses here, so those do not tell the two apart), and a compile warns that it set the
+precompiled file aside.
 
 With ``--serve-first``, ``first_serve`` is a serve process on another empty cache: serve compiles
 in the background by default, so ``ready_s`` is its ready line with the lowered graph running
