@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvgraph.engine.prompt_logprobs import PromptLogprob
 from kvgraph.engine.prompts import RequestChecks
 from kvgraph.entrypoints.serve.logprobs import LogprobsRenderer
-from kvgraph.entrypoints.serve.protocol import CompletionChoice, CompletionRequest
+from kvgraph.entrypoints.serve.protocol import CompletionChoice
 from kvgraph.entrypoints.serve.streaming import Piece
 from kvgraph.entrypoints.serve.streams import RequestHandle
 
@@ -66,14 +66,14 @@ class PromptEcho:
         return CompletionChoice(text=self.text, logprobs=shown, finish_reason=None if self.max_tokens else "length")
 
 
-async def prompt_echo(checks: RequestChecks, body: CompletionRequest) -> PromptEcho:
-    """The prompt's ids (checked as the engine checks them) and its text."""
-    ids = await asyncio.to_thread(checks.encode, body.prompt)
-    if isinstance(body.prompt, str):
-        text = body.prompt
+async def prompt_echo(checks: RequestChecks, prompt: str | list[int], max_tokens: int) -> PromptEcho:
+    """``prompt``'s ids (checked as the engine checks them) and its text."""
+    ids = await asyncio.to_thread(checks.encode, prompt)
+    if isinstance(prompt, str):
+        text = prompt
     else:
         text = "" if checks.tokenizer is None else await asyncio.to_thread(checks.tokenizer.decode, ids)
-    return PromptEcho(ids, text, body.max_tokens)
+    return PromptEcho(ids, text, max_tokens)
 
 
 def best_first(wholes: list[Piece]) -> list[int]:

@@ -18,6 +18,7 @@ from kvgraph.entrypoints.serve.async_engine import AsyncEngine
 from kvgraph.entrypoints.serve.chat import chat_prompt
 from kvgraph.entrypoints.serve.choices import PromptEcho, best_first, completion_choice, prompt_echo
 from kvgraph.entrypoints.serve.chunk_json import ChatChunkJSON, CompletionChunkJSON
+from kvgraph.entrypoints.serve.disconnect import cancel_on_disconnect
 from kvgraph.entrypoints.serve.engine_client import EngineClient
 from kvgraph.entrypoints.serve.errors import (
     APIError,
@@ -47,7 +48,7 @@ from kvgraph.entrypoints.serve.protocol import (
     Usage,
     unix_time,
 )
-from kvgraph.entrypoints.serve.samples import Samples, start_samples
+from kvgraph.entrypoints.serve.samples import Samples, start_prompts, start_samples
 from kvgraph.entrypoints.serve.stop import StopStrings
 from kvgraph.entrypoints.serve.streaming import Generation, Piece, server_sent_events
 from kvgraph.errors import EngineFailure
@@ -95,34 +96,59 @@ async def metrics(s: State) -> Response:
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, s: State) -> Response | CompletionResponse:
-    echo = await prompt_echo(s.checks, body) if body.echo else None
+@cancel_on_disconnect
+async def completions(body: CompletionRequest, s: State, request: Request) -> Response | CompletionResponse:
+    prompts = body.prompts
+    # every prompt is checked (and tokenized) before any is queued, so a bad one queues nothing
+    if body.echo:
+        echoes = [await prompt_echo(s.checks, prompt, body.max_tokens) for prompt in prompts]
+        prompts = [echo.ids for echo in echoes]
+    else:
+        echoes = None
+        if len(prompts) > 1:
+            prompts = [await asyncio.to_thread(s.checks.encode, prompt) for prompt in prompts]
     best_of = body.best_of or body.n
     # best_of > n ranks the samples by their tokens' log-probabilities: every sample reports them
     logprobs = body.logprobs if best_of == body.n else (body.logprobs or 0)
 
-    async def start(i: int) -> Generation:
-        return await _start(s, body, echo.ids if echo else body.prompt, max(body.max_tokens, 1),
-                            prompt_logprobs=body.logprobs if echo and i == 0 else None, seed=_seed(body, i),
-                            logprobs=logprobs)
+    async def start_prompt(p: int) -> Samples:
+        async def start(i: int) -> Generation:
+            return await _start(s, body, prompts[p], max(body.max_tokens, 1),
+                                prompt_logprobs=body.logprobs if echoes and i == 0 else None, seed=_seed(body, i),
+                                logprobs=logprobs)
 
-    samples = await start_samples(best_of, start)
-    if echo is not None:
-        await echo.take_scores(samples.gens[0].handle)
+        samples = await start_samples(best_of, start)
+        if echoes is not None:
+            try:
+                await echoes[p].take_scores(samples.gens[0].handle)
+            except BaseException:
+                samples.abort()
+                raise
+        return samples
+
+    samples = await start_prompts(len(prompts), start_prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     renderers = [_renderer(s, body) for _ in samples.gens]
-    if body.stream:
-        return _sse(_completion_chunks(samples, rid, s.model_name, body.include_usage, renderers, echo))
+    # sample k is sample k % best_of of prompt k // best_of
+    echo_of = [echoes[k // best_of] for k in range(len(samples.gens))] if echoes is not None else None
+    if body.stream:  # best_of == n: sample k is choice k
+        return _sse(_completion_chunks(samples, rid, s.model_name, body.include_usage, renderers, echo_of))
     wholes = await _wholes(samples)
-    order = range(len(wholes)) if best_of == body.n else best_first(wholes)[: body.n]
-    choices = [completion_choice(wholes[i], renderers[i], echo) for i in order]
+    choices = []
+    for first in range(0, len(wholes), best_of):
+        group = wholes[first : first + best_of]
+        order = range(best_of) if best_of == body.n else best_first(group)[: body.n]
+        choices += [completion_choice(group[i], renderers[first + i], echo_of[first + i] if echo_of else None)
+                    for i in order]
     for index, choice in enumerate(choices):
         choice.index = index
-    return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=_usage(samples, echo))
+    return CompletionResponse(id=rid, model=s.model_name, choices=choices,
+                              usage=_usage(samples, echoes[0] if echoes else None))
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, s: State) -> Response | ChatCompletionResponse:
+@cancel_on_disconnect
+async def chat_completions(body: ChatCompletionRequest, s: State, request: Request) -> Response | ChatCompletionResponse:
     prompt = chat_prompt(s.checks.tokenizer, body.messages)
 
     async def start(i: int) -> Generation:
@@ -215,7 +241,8 @@ async def _wholes(samples: Samples) -> list[Piece]:
 
 
 def _usage(samples: Samples, echo: PromptEcho | None = None) -> Usage:
-    """The prompt's tokens once, and every sample's generated tokens (none for an echo of the prompt alone)."""
+    """Each prompt's tokens once, and every sample's generated tokens (none for an echo of the
+    prompt alone: ``echo``, any of the request's, says whether it was)."""
     generated = samples.completion_tokens if echo is None or echo.max_tokens else 0
     return Usage.of(samples.prompt_tokens, generated)
 
@@ -227,28 +254,30 @@ def _sse(chunks: AsyncIterator) -> StreamingResponse:
 
 async def _completion_chunks(
     samples: Samples, rid: str, model: str, usage: bool, renderers: list[LogprobsRenderer | None],
-    echo: PromptEcho | None,
+    echoes: list[PromptEcho] | None,
 ) -> AsyncIterator[CompletionResponse]:
-    """Each sample's pieces as chunks of its choice index; an echoed prompt comes first, each
-    sample's own chunk (alone when ``max_tokens`` is 0). A chunk of text alone comes as its JSON."""
+    """Each sample's pieces as chunks of its choice index; an echoed prompt (``echoes[index]``, the
+    sample's prompt) comes first, each sample's own chunk (alone when ``max_tokens`` is 0). A chunk of
+    text alone comes as its JSON."""
     created = unix_time()
-    if echo is not None:
+    if echoes is not None:
         for index in range(len(samples.gens)):
-            first = echo.prompt_choice(renderers[index])
+            first = echoes[index].prompt_choice(renderers[index])
             first.index = index
             yield CompletionResponse(id=rid, model=model, created=created, choices=[first])
     text_json = CompletionChunkJSON(rid, model, created)
     async for index, piece in samples.pieces():
-        if echo is not None and not echo.max_tokens:
+        if echoes is not None and not echoes[index].max_tokens:
             continue  # the one token an echo of the prompt alone generates is dropped
-        if echo is None and renderers[index] is None:
+        if echoes is None and renderers[index] is None:
             yield text_json(index, piece.text, piece.finish_reason)
             continue
         choice = completion_choice(piece, renderers[index])
         choice.index = index
         yield CompletionResponse(id=rid, model=model, created=created, choices=[choice])
     if usage:
-        yield CompletionResponse(id=rid, model=model, created=created, choices=[], usage=_usage(samples, echo))
+        yield CompletionResponse(id=rid, model=model, created=created, choices=[],
+                                 usage=_usage(samples, echoes[0] if echoes else None))
 
 
 async def _chat_chunks(

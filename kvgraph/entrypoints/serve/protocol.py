@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Requests validate what the engine cannot run (``suffix``, more than ``MAX_SAMPLES`` samples)
-with an error naming the field and the value, so that no request is silently answered
-differently from what it asked. Unknown fields are ignored, as OpenAI's own server does for
-fields it does not know.
+Requests validate what the engine cannot run (``suffix``, more than ``MAX_SAMPLES`` samples or
+``MAX_PROMPTS`` prompts) with an error naming the field and the value, so that no request is
+silently answered differently from what it asked. Unknown fields are ignored, as OpenAI's own
+server does for fields it does not know.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from kvgraph.engine.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMI
 
 MAX_SAMPLES = 16
 """The most samples one request may ask for (``n``, ``best_of``)."""
+
+MAX_PROMPTS = 1024
+"""The most prompts one ``/v1/completions`` request may hold (each runs as its own sequences)."""
 
 
 class StreamOptions(BaseModel):
@@ -102,7 +105,8 @@ class GenerationFields(BaseModel):
 
 
 class CompletionRequest(GenerationFields):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt or several (up to ``MAX_PROMPTS``), each as text or
+    token ids; ``n`` (and ``best_of``) samples of each."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
@@ -118,13 +122,18 @@ class CompletionRequest(GenerationFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        """A list holding one prompt is that prompt; several prompts in one request are refused."""
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError(f"got {len(value)} prompts; send one request per prompt")
-            return value[0]
+    def _prompt_count(cls, value):
+        """At most ``MAX_PROMPTS`` prompts."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"got {len(value)} prompts; one request holds at most {MAX_PROMPTS}")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order: one, or each of a list of texts or of token-id lists."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:

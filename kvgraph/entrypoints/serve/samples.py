@@ -1,4 +1,4 @@
-"""A request's samples: ``n`` (or ``best_of``) generations of one prompt.
+"""A request's samples: ``n`` (or ``best_of``) generations of each of its prompts.
 
 The first sample is queued alone; once its first token came (its prompt is in the cache and, with
 prefix caching, registered there) the others are queued and take the prompt's full pages from the
@@ -20,13 +20,16 @@ _DONE = object()
 
 @dataclass
 class Samples:
-    """The generations of one request, in sample order."""
+    """The generations of one request, in sample order: with several prompts, prompt by prompt,
+    ``per_prompt`` samples each (``None``: all of one prompt)."""
 
     gens: list[Generation]
+    per_prompt: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
-        return self.gens[0].handle.prompt_tokens
+        """Each prompt's tokens, counted once however many samples it has."""
+        return sum(gen.handle.prompt_tokens for gen in self.gens[:: self.per_prompt or len(self.gens)])
 
     @property
     def completion_tokens(self) -> int:
@@ -77,6 +80,27 @@ class Samples:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+
+async def start_prompts(count: int, start_one: Callable[[int], Awaitable[Samples]]) -> Samples:
+    """Queue the samples of ``count`` prompts at once, ``start_one(p)`` queueing prompt ``p``'s (a
+    ``Samples`` of the same length for every prompt), and join them in prompt order. Anything one
+    raises aborts every sample already queued, of every prompt, and the first error is raised."""
+    if count == 1:
+        return await start_one(0)
+    tasks = [asyncio.ensure_future(start_one(p)) for p in range(count)]
+    try:
+        started = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                (await task).abort()
+            except BaseException:  # this one failed or was cancelled: its own samples are aborted
+                pass
+        raise
+    return Samples([gen for samples in started for gen in samples.gens], per_prompt=len(started[0].gens))
 
 
 async def start_samples(count: int, start_one: Callable[[int], Awaitable[Generation]]) -> Samples:

@@ -9,6 +9,7 @@
 
 The server serves a checkpoint written by ``save_preset``, the directory lm-eval also takes its
 tokenizer from; the reference is ``load_preset`` in this process (the same seeded weights, checked).
+Each task runs one request a call (``batch_size=1``) and four (a list of four prompts a call).
 """
 
 from __future__ import annotations
@@ -64,14 +65,16 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
 
 
-def evaluate(task: str, lm_server, checkpoint, task_manager) -> dict:
+def evaluate(task: str, lm_server, checkpoint, task_manager, batch_size: int) -> dict:
+    """``task`` through lm-eval, ``batch_size`` requests a ``/v1/completions`` call (a list of prompts)."""
     model_args = ",".join([
         f"base_url={lm_server.url}/v1/completions", f"model={SERVED_NAME}",
         "tokenizer_backend=huggingface", f"tokenizer={checkpoint}", "tokenized_requests=True",
         "num_concurrent=1", "max_retries=1", f"max_length={MAX_SEQ_LEN}",
     ])
     results = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[task],
-                                      task_manager=task_manager, log_samples=True, bootstrap_iters=0)
+                                      task_manager=task_manager, log_samples=True, bootstrap_iters=0,
+                                      batch_size=batch_size)
     samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
     return {"metrics": results["results"][task], "samples": samples}
 
@@ -125,21 +128,23 @@ def test_saved_checkpoint_is_the_preset(checkpoint, preset):
     assert (saved_tokenizer.eos_token, saved_tokenizer.eos_token_id) == (tokenizer.eos_token, EOS_ID)
 
 
-def test_generate_until_task(lm_server, checkpoint, task_manager, preset):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_generate_until_task(lm_server, checkpoint, task_manager, preset, batch_size):
     model, tokenizer = preset
     docs = read_jsonl("tiny_qa.jsonl")
     expected = [greedy_text(model, tokenizer, f"Q: {doc['question']}\nA:") for doc in docs]
     expected_em = float(np.mean([text == doc["answer"] for text, doc in zip(expected, docs, strict=True)]))
     assert 0 < expected_em < 1, f"the task should have hits and misses; greedy texts: {expected}"
 
-    out = evaluate("kvgraph_tiny_qa", lm_server, checkpoint, task_manager)
+    out = evaluate("kvgraph_tiny_qa", lm_server, checkpoint, task_manager, batch_size)
     served = [s["filtered_resps"][0] for s in out["samples"]]
     assert [s["doc"] for s in out["samples"]] == docs
     assert served == expected
     assert out["metrics"]["exact_match,none"] == pytest.approx(expected_em, abs=1e-12)
 
 
-def test_multiple_choice_task(lm_server, checkpoint, task_manager, preset):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_multiple_choice_task(lm_server, checkpoint, task_manager, preset, batch_size):
     model, tokenizer = preset
     docs = read_jsonl("tiny_choice.jsonl")
     expected = [[loglikelihood(model, tokenizer, doc["question"], " " + choice) for choice in doc["choices"]]
@@ -151,7 +156,7 @@ def test_multiple_choice_task(lm_server, checkpoint, task_manager, preset):
                               for ll, n, doc in zip(lls, lengths, docs, strict=True)]))
     assert 0 < acc < 1, f"the task should have hits and misses; log-likelihoods: {lls}"
 
-    out = evaluate("kvgraph_tiny_choice", lm_server, checkpoint, task_manager)
+    out = evaluate("kvgraph_tiny_choice", lm_server, checkpoint, task_manager, batch_size)
     assert [s["doc"] for s in out["samples"]] == docs
     for sample, doc_expected in zip(out["samples"], expected, strict=True):
         served = [(float(ll), bool(greedy)) for ll, greedy in sample["filtered_resps"]]
