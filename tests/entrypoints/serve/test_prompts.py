@@ -75,6 +75,20 @@ def test_echo_scores_each_prompt_as_alone(client):
         assert choice.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-5)
 
 
+def test_streamed_echo_comes_first_for_each_prompt(client):
+    args = dict(model=MODEL, prompt=IDS, max_tokens=2, echo=True, logprobs=1, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    assert [tokens[0], tokens[1]] == [c.logprobs.tokens for c in whole.choices]
+    assert [len(tokens[p]) for p in (0, 1)] == [len(prompt) + 2 for prompt in IDS]
+
+
 def test_echo_of_the_prompts_alone_counts_no_generated_tokens(client):
     out = client.completions.create(model=MODEL, prompt=IDS, max_tokens=0, echo=True, logprobs=0)
     assert [len(c.logprobs.tokens) for c in out.choices] == [len(p) for p in IDS]
