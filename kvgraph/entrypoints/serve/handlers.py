@@ -106,7 +106,7 @@ async def completions(body: CompletionRequest, s: State, request: Request) -> Re
     else:
         echoes = None
         if len(prompts) > 1:
-            prompts = [await asyncio.to_thread(s.checks.encode, prompt) for prompt in prompts]
+            prompts = await asyncio.to_thread(_encode_all, s.checks, prompts)
     best_of = body.best_of or body.n
     # best_of > n ranks the samples by their tokens' log-probabilities: every sample reports them
     logprobs = body.logprobs if best_of == body.n else (body.logprobs or 0)
@@ -207,6 +207,11 @@ async def _start(
     )
     handle = await s.engine.submit(prompt, sampling)
     return Generation(handle, StopStrings(body.stop), min_tokens=body.min_tokens)
+
+
+def _encode_all(checks: RequestChecks, prompts: list[Prompt]) -> list[list[int]]:
+    """Every prompt's token ids, checked as the engine checks them (the first bad one raises)."""
+    return [checks.encode(prompt) for prompt in prompts]
 
 
 def _seed(body: GenerationFields, i: int) -> int | None:
