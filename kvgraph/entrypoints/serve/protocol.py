@@ -104,6 +104,14 @@ class GenerationFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _prompts_of(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a list of texts or of token-id lists is several, anything
+    else (a text, token ids) one."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
 class CompletionRequest(GenerationFields):
     """``POST /v1/completions``: one prompt or several (up to ``MAX_PROMPTS``), each as text or
     token ids; ``n`` (and ``best_of``) samples of each."""
@@ -124,16 +132,14 @@ class CompletionRequest(GenerationFields):
     @classmethod
     def _prompt_count(cls, value):
         """At most ``MAX_PROMPTS`` prompts."""
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
+        if len(_prompts_of(value)) > MAX_PROMPTS:
             raise ValueError(f"got {len(value)} prompts; one request holds at most {MAX_PROMPTS}")
         return value
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, in order: one, or each of a list of texts or of token-id lists."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            return list(self.prompt)
-        return [self.prompt]
+        return _prompts_of(self.prompt)
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
