@@ -11,12 +11,19 @@ preset in module order, as a decode step runs them (each weight read from memory
 from a warm cache; each way repeated back to back, as steps follow each other): milliseconds a
 step and GFLOP/s at 1, 8, 16, 32, 64, 128, 512, 1024 and 2048 rows, each way, the ways taking
 turns (past ``max_packed_rows`` rows, 512 on an Intel CPU, ``kvgraph::linear`` is ``F.linear``).
+
+With ``--loop-nests`` (and ``--model``), instead: the panel GEMM's two loop nests on those layers
+at 16..2048 rows, taking turns (``KVGRAPH_PANEL_BLOCKED_ROWS``, read at each call, set to 1 for
+``blocked`` and past every row count for ``chunked``), the better of five runs each and their ratio:
+what ``kBlockedRows`` in ``csrc/panel_gemm_cpu.cpp`` is chosen from. Needs the panels (an AVX2 or
+AVX-512 build of kvgraph's C++ library).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -83,13 +90,61 @@ def model_layers(name: str, repeats: int) -> list[dict]:
     return out
 
 
+NEST_ROWS = (16, 24, 32, 40, 48, 64, 96, 128, 512, 2048)  # of --loop-nests
+NESTS = {"blocked": "1", "chunked": str(1 << 40)}  # KVGRAPH_PANEL_BLOCKED_ROWS of each
+
+
+def loop_nests(name: str, repeats: int) -> list[dict]:
+    """Every linear layer of preset ``name`` through the panels' blocked and K-chunked loop nests
+    in turn at each of ``NEST_ROWS``: milliseconds a step (the better of five alternating runs of
+    ``repeats`` steps' median), GFLOP/s and blocked ÷ chunked time."""
+    from kvgraph.entrypoints.cli.floor import linear_layers
+    from kvgraph.presets import load_preset
+
+    if cpp.packed_linear_gemm() != "panels":
+        raise SystemExit("--loop-nests needs kvgraph's panel GEMM (an AVX2 or AVX-512 build of its C++ library)")
+    model, _ = load_preset(name)
+    weights = [layer.weight.detach() for layer in linear_layers(model)]
+    g = torch.Generator().manual_seed(0)
+    before = os.environ.get("KVGRAPH_PANEL_BLOCKED_ROWS")
+    out = []
+    try:
+        with torch.inference_mode():
+            for rows in NEST_ROWS:
+                xs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g) for w in weights}
+                step = {nest: [] for nest in NESTS}
+                for _ in range(5):
+                    for nest, value in NESTS.items():
+                        os.environ["KVGRAPH_PANEL_BLOCKED_ROWS"] = value
+                        step[nest].append(median_ms(lambda xs=xs: [packed.linear(xs[w.shape[1]], w) for w in weights], repeats))
+                ms = {k: min(v) for k, v in step.items()}
+                flop = 2 * rows * sum(w.numel() for w in weights)
+                out.append({"rows": rows, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+                            **{f"{k}_gflops": round(flop / v / 1e6, 1) for k, v in ms.items()},
+                            "blocked_vs_chunked_time": round(ms["blocked"] / ms["chunked"], 3)})
+    finally:
+        if before is None:
+            os.environ.pop("KVGRAPH_PANEL_BLOCKED_ROWS", None)
+        else:
+            os.environ["KVGRAPH_PANEL_BLOCKED_ROWS"] = before
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--model", help="also time every linear layer of this preset, as a decode step runs them")
+    parser.add_argument("--loop-nests", action="store_true",
+                        help="with --model: the panel GEMM's blocked and K-chunked loop nests instead")
     args = parser.parse_args()
+    if args.loop_nests:
+        if not args.model:
+            parser.error("--loop-nests needs --model")
+        print(json.dumps({"model": args.model, "threads": torch.get_num_threads(),
+                          "loop_nests": loop_nests(args.model, args.repeats)}, indent=2))
+        return
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.vocab, args.hidden, generator=g)
     results = []

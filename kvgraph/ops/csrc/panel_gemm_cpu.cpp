@@ -12,8 +12,9 @@
 //     the panel's chunk stays in L1 between blocks (the partial sums wait in the output);
 //   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
 //     so the next panel's reads overlap this one's arithmetic instead of following it;
-//   - past kChunkedRows rows on AVX2 (a prompt), x is packed in blocks that stay in L2 and every
-//     panel multiplies each block in turn (blocked_linear).
+//   - from kBlockedRows rows on AVX2 (a prompt, or a decode step of 48 sequences or more), x is
+//     packed in blocks that stay in L2 and every panel multiplies each block in turn
+//     (blocked_linear).
 // Sums run over k in order with fused multiply-adds: the result is F.linear's to float32 rounding.
 
 #include "panel_gemm.h"
@@ -220,12 +221,15 @@ struct RowBlocks {
   int64_t rows(int64_t block) const { return base + (block < longer ? 1 : 0); }
 };
 
-// From this many rows a GEMM is cache blocked (blocked_linear), past the rows whose K chunks keep
-// a panel in L1 (kChunkedRows). Measured on AVX2 only: an AVX-512 build keeps whole panels.
+// From this many rows a GEMM is cache blocked (blocked_linear). With x packed by vectors
+// (pack_rows), llama-56m's 56 linear layers took 0.85-0.94x the time of the K-chunked nest at 48-128
+// rows on a 2-core Zen 3 and the same at 24-40 (benchmarks/RESULTS.md); with x packed one value
+// at a time the K-chunked nest had led up to 128 rows. Measured on AVX2 only: an AVX-512 build
+// keeps whole panels.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kBlockedRows = std::numeric_limits<int64_t>::max();
 #else
-constexpr int64_t kBlockedRows = kChunkedRows + 1;
+constexpr int64_t kBlockedRows = 48;
 #endif
 constexpr int64_t kBlockRows = 96;  // rows of x a blocked GEMM packs at once: 16 AVX2 register blocks
 constexpr int64_t kBlockK = 256;  // k steps of them: 96 KB of x in L2, 16 KB of a panel in L1
@@ -235,6 +239,47 @@ constexpr int64_t kBlockK = 256;  // k steps of them: 96 KB of x in L2, 16 KB of
 int64_t blocked_rows() {
   const char* env = std::getenv("KVGRAPH_PANEL_BLOCKED_ROWS");
   return env != nullptr && *env != '\0' ? std::max<int64_t>(1, std::atoll(env)) : kBlockedRows;
+}
+
+// Floats pack_rows may write past its block (then overwritten, or in the buffer's spare end).
+constexpr int64_t kPackSpill = 8;
+
+// dst[k * rows + r] = src[r * lda + k] for r < rows, k < kn: `rows` rows of x packed k-major. With
+// AVX2, 8 k steps at a time: each row's 8 values loaded as one vector, the 8 x 8 block transposed
+// in registers and each k step's `rows` values stored as one vector (its 8 - rows extra lanes are
+// overwritten by the next k step's store, or by the next block, or land in kPackSpill). Scalar
+// loads and strided stores took 13 % of a 2048 x 512 x 512 product's time on a 2-core Zen 3.
+void pack_rows(const float* src, int64_t lda, int64_t rows, int64_t kn, float* dst) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  if (rows <= 8) {
+    for (; k + 8 <= kn; k += 8) {
+      __m256 v[8];
+      for (int64_t r = 0; r < 8; ++r) v[r] = r < rows ? _mm256_loadu_ps(src + r * lda + k) : _mm256_setzero_ps();
+      const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+      const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      // column j of the block: (v[0][j], ..., v[7][j]), in order of j
+      float* out = dst + k * rows;
+      _mm256_storeu_ps(out, _mm256_permute2f128_ps(s0, s4, 0x20));
+      _mm256_storeu_ps(out + rows, _mm256_permute2f128_ps(s1, s5, 0x20));
+      _mm256_storeu_ps(out + 2 * rows, _mm256_permute2f128_ps(s2, s6, 0x20));
+      _mm256_storeu_ps(out + 3 * rows, _mm256_permute2f128_ps(s3, s7, 0x20));
+      _mm256_storeu_ps(out + 4 * rows, _mm256_permute2f128_ps(s0, s4, 0x31));
+      _mm256_storeu_ps(out + 5 * rows, _mm256_permute2f128_ps(s1, s5, 0x31));
+      _mm256_storeu_ps(out + 6 * rows, _mm256_permute2f128_ps(s2, s6, 0x31));
+      _mm256_storeu_ps(out + 7 * rows, _mm256_permute2f128_ps(s3, s7, 0x31));
+    }
+  }
+#endif
+  for (; k < kn; ++k) {
+    for (int64_t r = 0; r < rows; ++r) dst[k * rows + r] = src[r * lda + k];
+  }
 }
 
 // The GEMM of a prompt's rows, blocked for the caches as BLIS does (Van Zee and van de Geijn,
@@ -250,7 +295,7 @@ void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_
   const int64_t row_groups = (M + kBlockRows - 1) / kBlockRows;
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(P, at::get_num_threads()));
   at::parallel_for(0, row_groups * shares, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buffer(kBlockRows * std::min(K, kBlockK));
+    std::vector<float> buffer(kBlockRows * std::min(K, kBlockK) + kPackSpill);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / row_groups, g = i % row_groups;  // a thread's items: one share, every row group
       const int64_t m0 = g * kBlockRows, mn = std::min(kBlockRows, M - m0);
@@ -262,10 +307,7 @@ void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_
         float* dst = buffer.data();
         for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
           const int64_t rows = blocks.rows(rb);
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* src = a + (r0 + r) * K + k0;
-            for (int64_t k = 0; k < kn; ++k) dst[k * rows + r] = src[k];
-          }
+          pack_rows(a + r0 * K + k0, K, rows, kn, dst);
           dst += rows * kn;
         }
         for (int64_t p = p0; p < p1; ++p) {
