@@ -12,9 +12,8 @@
 //     the panel's chunk stays in L1 between blocks (the partial sums wait in the output);
 //   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
 //     so the next panel's reads overlap this one's arithmetic instead of following it;
-//   - from kBlockedRows rows on AVX2 (a prompt, or a decode step of 48 sequences or more), x is
-//     packed in blocks that stay in L2 and every panel multiplies each block in turn
-//     (blocked_linear).
+//   - from kBlockedRows rows on AVX2 (a prompt, or a decode step of 16 sequences or more), x is
+//     packed for the caches and the panels multiply it (blocked_linear).
 // Sums run over k in order with fused multiply-adds: the result is F.linear's to float32 rounding.
 
 #include "panel_gemm.h"
@@ -222,14 +221,15 @@ struct RowBlocks {
 };
 
 // From this many rows a GEMM is cache blocked (blocked_linear). With x packed by vectors
-// (pack_rows), llama-56m's 56 linear layers took 0.85-0.94x the time of the K-chunked nest at 48-128
-// rows on a 2-core Zen 3 and the same at 24-40 (benchmarks/RESULTS.md); with x packed one value
-// at a time the K-chunked nest had led up to 128 rows. Measured on AVX2 only: an AVX-512 build
-// keeps whole panels.
+// (pack_rows) and a decode step's panels multiplied whole, llama-56m's linear layers took
+// 0.76-0.90x the time of the K-chunked nest at 16-128 rows on a 2-core Zen 3 (one run equal at 64),
+// and the same at 1-12, where the weights' reads bound both (benchmarks/RESULTS.md); with x packed
+// one value at a time the K-chunked nest had led up to 128 rows. Measured on AVX2 only: an AVX-512
+// build keeps whole panels.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kBlockedRows = std::numeric_limits<int64_t>::max();
 #else
-constexpr int64_t kBlockedRows = 48;
+constexpr int64_t kBlockedRows = 16;
 #endif
 constexpr int64_t kBlockRows = 96;  // rows of x a blocked GEMM packs at once: 16 AVX2 register blocks
 constexpr int64_t kBlockK = 256;  // k steps of them: 96 KB of x in L2, 16 KB of a panel in L1
@@ -282,44 +282,72 @@ void pack_rows(const float* src, int64_t lda, int64_t rows, int64_t kn, float* d
   }
 }
 
-// The GEMM of a prompt's rows, blocked for the caches as BLIS does (Van Zee and van de Geijn,
-// 2015): x is taken kBlockRows rows by kBlockK k steps at a time, packed k-major by register block
-// into a buffer that stays in L2, and each panel's kBlockK rows (16 KB, in L1) multiply every
-// register block of it in turn. Unblocked, each panel's pass at 2048 rows reads all of x (4 MB at
-// K = 512) again from L3. Each thread takes a share of the panels over all of x, packing x's
-// blocks itself. On a 2-core Zen 3, llama-56m's 56 linear layers took 0.92-0.98x the time of
-// whole panels at 96-192 and 1024-2048 rows (equal at 256-512) and 0.81-0.96x oneDNN's product
-// with the plain weight at 96-2048 rows (benchmarks/RESULTS.md).
+// x's rows m0.. of a row group (its register blocks `blocks`), k steps k0..k0+kn, packed for
+// packed_block: each register block's rows k-major, one block after the other, from dst.
+void pack_piece(const float* a, int64_t K, int64_t m0, const RowBlocks& blocks, int64_t k0, int64_t kn, float* dst) {
+  for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
+    pack_rows(a + r0 * K + k0, K, blocks.rows(rb), kn, dst);
+    dst += blocks.rows(rb) * kn;
+  }
+}
+
+// c[m0.., n0..n0 + cols] (+)= a piece of pack_piece times kn rows of a panel (+ bias).
+void multiply_piece(const float* piece, const RowBlocks& blocks, int64_t m0, const float* panel, int64_t kn, float* c,
+                    int64_t n, int64_t n0, int64_t cols, const float* bias, bool accumulate) {
+  for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
+    const int64_t rows = blocks.rows(rb);
+    kPackedBlocks[rows - 1](piece, panel, kn, c + r0 * n + n0, n, cols, bias, accumulate);
+    piece += rows * kn;
+  }
+}
+
+// The GEMM of x packed for the caches, as BLIS does (Van Zee and van de Geijn, 2015). x is packed
+// k-major by register block (pack_piece) and each kBlockK rows of a panel (16 KB, in L1) multiply
+// every register block of a piece of it in turn. Each thread takes a share of the panels over all
+// of x, packing x itself.
+//   - A prompt's rows: x taken kBlockRows rows by kBlockK k steps at a time (96 KB, in L2), every
+//     panel of the share multiplied by that piece before the next. Unblocked, each panel's pass at
+//     2048 rows reads all of x (4 MB at K = 512) again from L3. On a 2-core Zen 3, llama-56m's 56
+//     linear layers took 0.92-0.98x the time of whole panels at 96-192 and 1024-2048 rows (equal at
+//     256-512) and 0.81-0.96x oneDNN's product with the plain weight at 96-2048 rows.
+//   - Up to kBlockRows rows (a decode step): x packed whole, each panel multiplied whole in turn,
+//     so the weight streams from memory in order; piece by piece, each panel's next 16 KB lay a
+//     panel (K * 64 bytes) away, and at 16-24 rows this nest took 1.17-1.24x the time of the
+//     K-chunked one instead of the same (benchmarks/RESULTS.md).
 void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_t P, int64_t n, const float* bias,
                     float* c) {
   const int64_t row_groups = (M + kBlockRows - 1) / kBlockRows;
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(P, at::get_num_threads()));
+  const bool whole = row_groups == 1;
   at::parallel_for(0, row_groups * shares, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buffer(kBlockRows * std::min(K, kBlockK) + kPackSpill);
+    std::vector<float> buffer((whole ? M * K : kBlockRows * std::min(K, kBlockK)) + kPackSpill);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / row_groups, g = i % row_groups;  // a thread's items: one share, every row group
       const int64_t m0 = g * kBlockRows, mn = std::min(kBlockRows, M - m0);
       const int64_t p0 = P * s / shares, p1 = P * (s + 1) / shares;
       const RowBlocks blocks(mn);
-      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-        const int64_t kn = std::min(kBlockK, K - k0);
-        const bool last = k0 + kn == K;
-        float* dst = buffer.data();
-        for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
-          const int64_t rows = blocks.rows(rb);
-          pack_rows(a + r0 * K + k0, K, rows, kn, dst);
-          dst += rows * kn;
+      const auto bias_of = [&](int64_t k0, int64_t n0) {  // added by a panel's last k steps
+        return k0 + kBlockK >= K && bias != nullptr ? bias + n0 : nullptr;
+      };
+      if (whole) {  // piece k0 at buffer + k0 * mn
+        for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+          pack_piece(a, K, m0, blocks, k0, std::min(kBlockK, K - k0), buffer.data() + k0 * mn);
         }
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
-          const float* panel = w + (p * K + k0) * kCols;
-          const float* packed = buffer.data();
-          for (int64_t rb = 0, r0 = m0; rb < blocks.count; r0 += blocks.rows(rb), ++rb) {
-            const int64_t rows = blocks.rows(rb);
-            kPackedBlocks[rows - 1](packed, panel, kn, c + r0 * n + n0, n, cols, last && bias != nullptr ? bias + n0 : nullptr,
-                                    k0 > 0);
-            packed += rows * kn;
+          for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+            multiply_piece(buffer.data() + k0 * mn, blocks, m0, w + (p * K + k0) * kCols, std::min(kBlockK, K - k0), c, n,
+                           n0, cols, bias_of(k0, n0), k0 > 0);
           }
+        }
+        continue;
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const int64_t kn = std::min(kBlockK, K - k0);
+        pack_piece(a, K, m0, blocks, k0, kn, buffer.data());
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+          multiply_piece(buffer.data(), blocks, m0, w + (p * K + k0) * kCols, kn, c, n, n0, cols, bias_of(k0, n0), k0 > 0);
         }
       }
     }
