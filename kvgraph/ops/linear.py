@@ -12,7 +12,8 @@ again when the weight changes in place: its version counter moves):
   kvgraph compiles (:mod:`kvgraph.compiler.direct_kernels`) both call
   ``kvgraph_cpu::packed_linear``, which keeps the pack in C++;
 - with that library built for AVX2, on a CPU not made by Intel: the same panels (16 columns,
-  blocks of 6 rows), with x blocked for the caches past 128 rows (a prompt). On a 2-core Zen 3 EPYC
+  blocks of 6 rows), with x packed for the caches from 16 rows (a prompt, or a decode step of 16
+  sequences or more; 0.76-0.90x the time of x read in place at 16-128 rows). On a 2-core Zen 3 EPYC
   a step's linear layers of ``llama-56m`` took 0.51-0.58x the time of oneDNN's packed product at
   1-16 rows, 0.77x at 32-64 and 0.87x at 96, and 0.81-0.96x that of oneDNN's product with the plain
   weight (``mkldnn._linear_pointwise``) at 96-2048 rows; oneDNN was in turn 1.6-2x faster than

@@ -4,8 +4,9 @@
 //     (csrc/panel_gemm_cpu.cpp: 1.3-1.5x MKL's packed GEMM at 8-16 rows, 1.1-1.3x at 32, within
 //     10% of it at 1 and at 64-512 rows);
 //   - on an AVX2 build, on a CPU not made by Intel, into the same panels: on a Zen 3, 0.51-0.58x
-//     oneDNN's packed product's time at 1-16 rows, 0.77x at 32-64, 0.87x at 96, and past 128 rows
-//     (x blocked for the caches) 0.81-0.96x oneDNN's product with the plain weight;
+//     oneDNN's packed product's time at 1-16 rows, 0.77x at 32-64, 0.87x at 96, and with x blocked
+//     for the caches 0.81-0.96x oneDNN's product with the plain weight at 96-2048 rows (x is packed
+//     so from 16 rows now: csrc/panel_gemm_cpu.cpp);
 //   - else, on a CPU not made by Intel, into oneDNN's blocked layout for pack_rows rows
 //     (mkldnn::_reorder_linear_weight) and multiplied with mkldnn::_linear_pointwise: on a Zen 3
 //     (AVX2) MKL's packed GEMM does not run its fast code, and oneDNN's JIT kernels were 1.6-2x as

@@ -1,6 +1,6 @@
 // kvgraph's float32 GEMM (csrc/panel_gemm_cpu.cpp): the weight packed once into panels of 32 (AVX-512)
 // or 16 (AVX2) columns, each panel's next one prefetched while it is multiplied at a decode step's
-// rows, and x blocked for the caches at a prompt's. kvgraph_cpu::packed_linear
+// rows, and x packed for the caches from 16 rows on AVX2. kvgraph_cpu::packed_linear
 // (csrc/packed_linear_cpu.cpp) calls it.
 #pragma once
 

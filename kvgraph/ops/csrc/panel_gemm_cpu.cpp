@@ -37,8 +37,9 @@
 
 // AVX-512 and AVX2 builds. With AVX2 (panels of 16 columns, blocks of 6 rows, 4 k steps at once)
 // on a 2-core Zen 3 it multiplied llama-56m's linear layers in 0.51-0.58x oneDNN's packed product's
-// time at 1-16 rows, 0.77x at 32-64, 0.87x at 96 and 0.94x at 128; with x blocked past 128 rows,
-// 0.81-0.96x oneDNN's product with the plain weight at 96-2048 rows (benchmarks/RESULTS.md). On an
+// time at 1-16 rows, 0.77x at 32-64, 0.87x at 96 and 0.94x at 128 with x read in place, and with
+// x blocked 0.81-0.96x oneDNN's product with the plain weight at 96-2048 rows (benchmarks/RESULTS.md);
+// x is now packed for the caches from 16 rows (kBlockedRows). On an
 // Intel CPU without AVX-512 it measured 0.87-0.92x MKL's packed GEMM's speed from 32 rows on, so
 // those keep MKL's.
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
