@@ -68,12 +68,12 @@ def test_an_unknown_or_missing_product_is_refused(monkeypatch):
 
 # outputs: within a panel (16 columns with AVX2, 32 with AVX-512), a panel, one past, several panels
 # rows: within a register block (12 rows with AVX-512, 6 with AVX2), a block, one past, several
-# blocks, past the 16 rows from which an AVX2 build blocks x for the caches, at and past 96 rows (one
-# row group packed whole; two, packed piece by piece) and 192 (three); k: within the AVX2 loop's 4 steps at once, past it, x packed
-# 8 k steps at a time with a remainder, and one past two chunks of 256. With the panels, each of
-# their two loop nests at every shape (KVGRAPH_PANEL_BLOCKED_ROWS=1 blocks x at every row count, a
-# count past every row count blocks it at none: x in place, K in chunks); the other products as
-# they are.
+# blocks, past the 16 rows from which an AVX2 build blocks x for the caches, at and past 96 rows
+# (one row group, packed whole; two, packed piece by piece) and 192 (three); k: within the AVX2
+# loop's 4 steps at once, past it, x packed 8 k steps at a time with a remainder, and one past two
+# chunks of 256. With the panels, each of their two loop nests at every shape
+# (KVGRAPH_PANEL_BLOCKED_ROWS=1 blocks x at every row count, a count past every row count at none:
+# x in place, K in chunks); the other products as they are.
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 300])
 @pytest.mark.parametrize("k", [1, 7, 20, 513])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 25, 96, 97, 129, 256, 257])
