@@ -1,7 +1,7 @@
 // kvgraph's float32 GEMM (csrc/panel_gemm_cpu.cpp): the weight packed once into panels of 32 (AVX-512)
-// or 16 (AVX2) columns, each panel's next one prefetched while it is multiplied at a decode step's
-// rows, and x packed for the caches from 16 rows on AVX2. kvgraph_cpu::packed_linear
-// (csrc/packed_linear_cpu.cpp) calls it.
+// or 16 (AVX2) columns; x read in place, each panel's next one prefetched while it is multiplied, at
+// a few rows (on AVX2 below 16, with AVX-512 at any count), else x packed for the caches.
+// kvgraph_cpu::packed_linear (csrc/packed_linear_cpu.cpp) calls it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -8,8 +8,9 @@
 //     contiguous, so one panel is one sequential stream;
 //   - a thread multiplies its panels in order, each by blocks of up to kRows rows of x (a register
 //     block of 2 * kRows accumulators, x broadcast one value at a time, as MLAS's SGEMM kernels);
-//   - at a decode step's rows, K is taken in chunks that every row block multiplies in turn, so
-//     the panel's chunk stays in L1 between blocks (the partial sums wait in the output);
+//   - at a decode step's rows (on AVX2 below kBlockedRows), K is taken in chunks that every row
+//     block multiplies in turn, so the panel's chunk stays in L1 between blocks (the partial sums
+//     wait in the output);
 //   - while it multiplies panel p it prefetches panel p + 1 into L2, each row block a share of it,
 //     so the next panel's reads overlap this one's arithmetic instead of following it;
 //   - from kBlockedRows rows on AVX2 (a prompt, or a decode step of 16 sequences or more), x is
