@@ -33,6 +33,7 @@
 #include <array>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -322,7 +323,9 @@ void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(P, at::get_num_threads()));
   const bool whole = row_groups == 1;
   at::parallel_for(0, row_groups * shares, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buffer((whole ? M * K : kBlockRows * std::min(K, kBlockK)) + kPackSpill);
+    // not zeroed: pack_piece writes every value a product reads (a vector's zeros were a memset of
+    // all of x per thread and call at a decode step's rows)
+    const std::unique_ptr<float[]> buffer(new float[(whole ? M * K : kBlockRows * std::min(K, kBlockK)) + kPackSpill]);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t s = i / row_groups, g = i % row_groups;  // a thread's items: one share, every row group
       const int64_t m0 = g * kBlockRows, mn = std::min(kBlockRows, M - m0);
@@ -333,12 +336,12 @@ void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_
       };
       if (whole) {  // piece k0 at buffer + k0 * mn
         for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-          pack_piece(a, K, m0, blocks, k0, std::min(kBlockK, K - k0), buffer.data() + k0 * mn);
+          pack_piece(a, K, m0, blocks, k0, std::min(kBlockK, K - k0), buffer.get() + k0 * mn);
         }
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
           for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-            multiply_piece(buffer.data() + k0 * mn, blocks, m0, w + (p * K + k0) * kCols, std::min(kBlockK, K - k0), c, n,
+            multiply_piece(buffer.get() + k0 * mn, blocks, m0, w + (p * K + k0) * kCols, std::min(kBlockK, K - k0), c, n,
                            n0, cols, bias_of(k0, n0), k0 > 0);
           }
         }
@@ -346,10 +349,10 @@ void blocked_linear(const float* a, int64_t M, int64_t K, const float* w, int64_
       }
       for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
         const int64_t kn = std::min(kBlockK, K - k0);
-        pack_piece(a, K, m0, blocks, k0, kn, buffer.data());
+        pack_piece(a, K, m0, blocks, k0, kn, buffer.get());
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
-          multiply_piece(buffer.data(), blocks, m0, w + (p * K + k0) * kCols, kn, c, n, n0, cols, bias_of(k0, n0), k0 > 0);
+          multiply_piece(buffer.get(), blocks, m0, w + (p * K + k0) * kCols, kn, c, n, n0, cols, bias_of(k0, n0), k0 > 0);
         }
       }
     }
