@@ -326,7 +326,7 @@ class LLMEngine:
         events = self._commit(out, run, detokenize)
         self._stats.record_step(
             len(out.entries), run.prefill_tokens, run.decode_tokens, time.perf_counter() - start, out.num_steps,
-            compiled=self.runner.compile_s > compile_s,
+            compiled=self.runner.compile_s > compile_s, threads=run.threads,
         )
         self._record_pages()
         self._stats.record_occupancy(*occupancy(self.manager, self.scheduler.running))
@@ -359,6 +359,8 @@ class LLMEngine:
         rows = _LogitRows.of(out.entries, new_tokens, self.device)
         sampled, logprobs, processor = [], [], None
         threads = self.threads.threads if self.threads is not None else None  # the governor's count
+        if self.device.type == "cpu":
+            run.threads = threads if threads is not None else torch.get_num_threads()
         for step in range(out.num_steps):
             if step > 0:
                 # multistep: a batch of decodes, one token per sequence per step
@@ -512,7 +514,8 @@ class LLMEngine:
         ``warmup_graphs`` by the first step of each shape, ``recompiles`` by any later step; the
         requests running and waiting now; the compiles Inductor's on-disk cache served
         (``inductor_cache_hits``) or not (``inductor_cache_misses``); and the intra-op threads now, with how often the thread
-        governor changed them and the cores other processes took at its last look."""
+        governor changed them, the cores other processes took at its last look, and the steps run on
+        each count (``steps_by_threads``, CPU engines)."""
         self._record_pages()
         self._stats.compiled_graphs = compiled_graphs(self.compiled)
         self._stats.warmup_graphs = self.runner.warmup_graphs
@@ -597,6 +600,8 @@ class _StepRun:
     """``[num_steps]``: column in ``rows`` -> its token's log-probabilities, for the rows that asked."""
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    threads: int | None = None
+    """The intra-op threads its kernels ran on."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ class EngineStats:
     compile_steps: int = 0
     compile_time_s: float = 0.0
     batch_sizes: Counter = field(default_factory=Counter)
+    steps_by_threads: Counter = field(default_factory=Counter)  # intra-op threads -> steps run on them
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
@@ -53,11 +54,14 @@ class EngineStats:
 
     def record_step(
         self, batch_size: int, prefill_tokens: int, decode_tokens: int, seconds: float, model_calls: int = 1,
-        compiled: bool = False,
+        compiled: bool = False, threads: int | None = None,
     ) -> None:
         """One scheduled batch of ``batch_size`` sequences (``model_calls`` model runs when multistep);
-        ``compiled``: one of its model calls compiled a graph, so its time is not a serving rate."""
+        ``compiled``: one of its model calls compiled a graph, so its time is not a serving rate;
+        ``threads``: the intra-op threads it ran on, where the engine knows them."""
         self.steps += 1
+        if threads is not None:
+            self.steps_by_threads[threads] += 1
         self.model_calls += model_calls
         self.batch_sizes[batch_size] += 1
         self.prefill_tokens += prefill_tokens
@@ -110,6 +114,7 @@ class EngineStats:
             "compile_steps": self.compile_steps,
             "compile_time_s": self.compile_time_s,
             "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
+            "steps_by_threads": dict(sorted(self.steps_by_threads.items())),
             "kv_pages_used": self.kv_pages_used,
             "kv_pages_free": self.kv_pages_total - self.kv_pages_used,
             "kv_pages_peak": self.kv_pages_peak,

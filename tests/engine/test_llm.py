@@ -160,6 +160,8 @@ def test_stats_report_the_documented_figures(llm):
     assert stats["compiled_graphs"] >= 1 and stats["preemptions"] == 0
     # the governor follows the cores other processes leave free: fewer threads on a busy host
     assert 1 <= stats["threads"] <= torch.get_num_threads() and stats["thread_changes"] >= 0
+    assert sum(stats["steps_by_threads"].values()) == stats["steps"] == 4  # each step on the governor's count
+    assert all(1 <= threads <= torch.get_num_threads() for threads in stats["steps_by_threads"])
 
 
 def test_the_startup_note_says_whether_inductor_reused_the_compiled_graphs(llm):

@@ -1,9 +1,9 @@
 """Prometheus metrics of the server, rendered in the text format for ``GET /metrics``.
 
 Engine figures (KV pages, requests running and waiting, prompt and prefix-hit tokens,
-preemptions, steps) are read from ``LLM.stats()`` at scrape time (from the engine process, when
-the engine runs in one); latencies and generated tokens are recorded as tokens are handed to the
-requests. ``kvgraph_engine_pid`` is the process that runs the engine.
+preemptions, steps, and steps by the intra-op threads they ran on) are read from ``LLM.stats()``
+at scrape time (from the engine process, when the engine runs in one); latencies and generated
+tokens are recorded as tokens are handed to the requests. ``kvgraph_engine_pid`` is the process that runs the engine.
 """
 
 from __future__ import annotations
@@ -74,3 +74,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=stats[key])
         for name, (key, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=stats[key])
+        by_threads = CounterMetricFamily(
+            "kvgraph_steps_by_threads", "engine steps by the intra-op threads their kernels ran on (CPU)", labels=["threads"])
+        for threads, steps in stats.get("steps_by_threads", {}).items():
+            by_threads.add_metric([str(threads)], steps)
+        yield by_threads

@@ -113,6 +113,8 @@ def test_concurrent_requests_equal_their_runs_alone(server, client, reference):
     assert alone == [c.text for c in reference.generate(prompts, SamplingParams(max_new_tokens=16))]
     assert wait_until(lambda: server.metric("kvgraph_kv_pages_used") == 0)
     assert server.metric("kvgraph_requests_running") == 0 and server.metric("kvgraph_requests_waiting") == 0
+    # every step ran on some thread count (the governor's), which /metrics splits the steps by
+    assert server.metric("kvgraph_steps_by_threads_total") == server.metric("kvgraph_steps_total") > 0
 
 
 BAD_REQUESTS = {
