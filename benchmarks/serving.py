@@ -9,7 +9,9 @@ a subprocess per ``--servers`` kind with the same engine settings: ``process`` (
 server: the engine in its own process, the front end at ``--frontend-priority auto``), ``thread``
 (``--no-frontend-process``: the engine in a thread of the HTTP server's process),
 ``process-normal`` / ``process-idle`` (the engine in its own process, the front end at that
-priority) and ``process-fixed`` (``--no-adaptive-threads``: the engine's thread count fixed).
+priority), ``process-fixed`` (``--no-adaptive-threads``: the engine's thread count fixed) and
+``process-spin1000`` / ``process-spin300000`` (``GOMP_SPINCOUNT`` in the server's environment:
+libgomp's idle threads spin that many times before they sleep; serve's default is 30 000).
 ``--concurrency`` asyncio clients send the prompts as streamed ``/v1/completions`` requests,
 timing each chunk. Every server starts before the first timed run; then each side runs once
 untimed (the pool's pages mapped, every graph shape run) and ``--repeats`` rounds follow, each
@@ -20,7 +22,8 @@ server kind, the median round's requests/s, tokens/s, time to first token and in
 percentiles, and ``http_vs_engine``: the median over rounds of the server's tokens/s ÷ the same
 round's engine tokens/s (the target: >= 0.9 at 32 streams; ``http_vs_engine_rounds`` lists each
 round's); the CPU seconds the server's front end and its engine process took per run
-(``frontend_cpu_s``, ``engine_cpu_s``, from ``/proc``), and the share of the engine's steps run on
+(``server_cpu_s`` for all of them, ``engine_cpu_s``, from ``/proc``; the in-process engine's
+``cpu_s`` beside them) and the engine steps a run took, and the share of the engine's steps run on
 each thread count (``steps_by_threads``: the thread governor's choice); and
 ``process_vs_thread``.
 
@@ -80,11 +83,13 @@ def build_engine(args) -> LLM:
 
 
 def engine_run(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """One ``generate`` call with every prompt: its texts, seconds and tokens."""
-    start = time.perf_counter()
+    """One ``generate`` call with every prompt: its texts, seconds, tokens, CPU seconds (this
+    process's: the engine's threads) and engine steps."""
+    steps, cpu, start = llm.stats()["steps"], time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - start
-    return {"texts": [c.text for c in outs], "elapsed_s": elapsed, "tokens": sum(len(c.token_ids) for c in outs)}
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"texts": [c.text for c in outs], "elapsed_s": elapsed, "tokens": sum(len(c.token_ids) for c in outs),
+            "cpu_s": cpu, "steps": llm.stats()["steps"] - steps}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -213,7 +218,9 @@ def run_load(url: str, model: str, prompts: list[list[int]], max_new_tokens: int
 
 SERVER_FLAGS = {"process": [], "thread": ["--no-frontend-process"],
                 "process-normal": ["--frontend-priority", "normal"], "process-idle": ["--frontend-priority", "idle"],
-                "process-fixed": ["--no-adaptive-threads"]}
+                "process-fixed": ["--no-adaptive-threads"], "process-spin1000": [], "process-spin300000": []}
+# the server's environment where a kind sets it: libgomp's spin count (serve's default 30 000, libgomp's 300 000)
+SERVER_ENV = {"process-spin1000": {"GOMP_SPINCOUNT": "1000"}, "process-spin300000": {"GOMP_SPINCOUNT": "300000"}}
 
 
 def start_server(args, kind: str) -> ServerProcess:
@@ -222,7 +229,7 @@ def start_server(args, kind: str) -> ServerProcess:
              "--max-seq-len", str(args.max_seq_len), "--no-prefix-caching", *SERVER_FLAGS[kind]]
     flags += ["--threads", str(args.threads)] if args.threads else []
     flags += ["--stream-interval", str(args.stream_interval)]
-    server = ServerProcess(*flags)
+    server = ServerProcess(*flags, env={**os.environ, **SERVER_ENV.get(kind, {})})
     log(f"server ({kind}) at {server.wait_ready()}")
     return server
 
@@ -234,6 +241,7 @@ def server_run(args, server: ServerProcess, prompts: list[list[int]], max_new_to
     pids = process_tree(server.proc.pid)
     before_cpu = {pid: cpu_seconds(pid) for pid in pids}
     before_steps = steps_by_threads(server)
+    total_steps = server.metric("kvgraph_steps_total")
     cpu = time.process_time()
     results, elapsed = run_load(server.url, args.model, prompts, max_new_tokens, args.concurrency, args.client,
                                 args.client_priority)
@@ -243,7 +251,8 @@ def server_run(args, server: ServerProcess, prompts: list[list[int]], max_new_to
     return {"results": results, "elapsed_s": elapsed, "client_cpu_s": client_cpu,
             "server_cpu_s": sum(spent.values()),
             "engine_cpu_s": spent[engine_pid] if engine_pid != server.proc.pid else None,
-            "steps_by_threads": {t: n for t, n in sorted(steps.items()) if n}}
+            "steps_by_threads": {t: n for t, n in sorted(steps.items()) if n},
+            "steps": server.metric("kvgraph_steps_total") - total_steps}
 
 
 def server_report(runs: list[dict], engine_runs: list[dict], engine_texts: list[str], exit_status: int) -> dict:
@@ -268,7 +277,7 @@ def server_report(runs: list[dict], engine_runs: list[dict], engine_texts: list[
         # the load generator shares this host's cores with the server: the CPU seconds it took
         "client_cpu_s": run["client_cpu_s"],
         # the server's processes (front end and engine) and its engine process alone (None: a thread)
-        "server_cpu_s": run["server_cpu_s"], "engine_cpu_s": run["engine_cpu_s"],
+        "server_cpu_s": run["server_cpu_s"], "engine_cpu_s": run["engine_cpu_s"], "engine_steps": run["steps"],
         # share of the timed runs' engine steps on each intra-op thread count (the governor's choice)
         "steps_by_threads": {t: round(n / sum(steps.values()), 3) for t, n in sorted(steps.items())},
         "greedy_texts_equal": len(results),
@@ -303,8 +312,8 @@ def main() -> None:
     p.add_argument("--servers", default="process,thread",
                    help="server kinds to measure, comma-separated: process (the engine in its own process, "
                    "the default server), thread (--no-frontend-process), process-normal and process-idle "
-                   "(--frontend-priority normal / idle), process-fixed (--no-adaptive-threads) "
-                   "(default: process,thread)")
+                   "(--frontend-priority normal / idle), process-fixed (--no-adaptive-threads), "
+                   "process-spin1000 and process-spin300000 (GOMP_SPINCOUNT=N) (default: process,thread)")
     args = p.parse_args()
     kinds = args.servers.split(",")
     unknown = [k for k in kinds if k not in SERVER_FLAGS]
@@ -347,7 +356,9 @@ def main() -> None:
         "concurrency": args.concurrency, "stream_interval": args.stream_interval, "client": args.client,
         "client_priority": args.client_priority, "compile": args.compile, "threads": torch.get_num_threads(),
         "repeats": args.repeats, "load_average": os.getloadavg(),
-        "engine": {"tokens_per_s": statistics.median(engine_tps), "tokens_per_s_rounds": [round(t, 1) for t in engine_tps]},
+        "engine": {"tokens_per_s": statistics.median(engine_tps), "tokens_per_s_rounds": [round(t, 1) for t in engine_tps],
+                   "cpu_s": statistics.median(r["cpu_s"] for r in engine_runs),
+                   "steps": statistics.median(r["steps"] for r in engine_runs)},
         "servers": reports,
         "target_http_vs_engine_min": 0.9,
     }

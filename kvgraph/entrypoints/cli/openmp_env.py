@@ -1,13 +1,17 @@
 """How long OpenMP's idle threads spin before they sleep, for ``kvgraph serve``: set before torch loads.
 
 PyTorch's CPU build runs its kernels on GNU OpenMP. After each parallel region libgomp's worker
-threads spin for ``GOMP_SPINCOUNT`` iterations (300 000 by default, a few hundred microseconds)
+threads spin for ``GOMP_SPINCOUNT`` iterations (300 000 by default, several hundred microseconds)
 waiting for the next one, on a core that the server's HTTP front end and its clients also need. The
 front end then runs in the time slices the spinning leaves, and each region of the next step waits
-for whichever thread was descheduled. With 1 000 spins an idle thread goes to sleep within
-microseconds: on the 2-core host of ``benchmarks/RESULTS.md`` ("OpenMP's spin on a shared CPU")
-``llama-56m`` served at 32 streams 6 % faster at the median of five alternating runs, and the
-in-process engine, which shares its cores with nobody, did not change.
+for whichever thread was descheduled. A thread that sleeps too soon has to be woken for the next
+region instead, which a step of a few hundred regions pays each time. ``kvgraph serve`` spins
+30 000 times, between the two measured as best on different hosts. At
+32 streams of ``llama-56m`` (``benchmarks/RESULTS.md``, "OpenMP's spin on a shared CPU" and its
+2026-11-29 sequel): on a 2-core Zen 4, 1 000 spins served 6 % faster than 300 000 at the median of
+five alternating runs; on a 2-core Zen 3, 30 000 served about 4 % faster than 1 000 (9 of 11
+alternating rounds) and 300 000 faster than 1 000 in 10 of 13. The in-process engine, which shares
+its cores with nobody, is not affected.
 
 libgomp reads the variable once, when torch loads it, so the default has to be in the environment
 before ``import torch``: the command line applies it before it imports its subcommands (the
@@ -20,7 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import MutableMapping, Sequence
 
-SERVE_SPIN_COUNT = "1000"
+SERVE_SPIN_COUNT = "30000"
 """``GOMP_SPINCOUNT`` of ``kvgraph serve`` unless the user set it or ``OMP_WAIT_POLICY``."""
 
 USER_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")

@@ -30,7 +30,7 @@ def probe(argv: list[str], **env: str) -> str:
 @pytest.mark.parametrize(
     "argv, env, expected",
     [
-        (["serve"], {}, "1000 None"),  # the server's default
+        (["serve"], {}, "30000 None"),  # the server's default
         (["generate"], {}, "None None"),  # nothing for the other commands
         (["serve"], {"GOMP_SPINCOUNT": "200000"}, "200000 None"),  # the user's own value kept
         (["serve"], {"OMP_WAIT_POLICY": "active"}, "None active"),  # or their wait policy
