@@ -6,12 +6,12 @@ waiting for the next one, on a core that the server's HTTP front end and its cli
 front end then runs in the time slices the spinning leaves, and each region of the next step waits
 for whichever thread was descheduled. A thread that sleeps too soon has to be woken for the next
 region instead, which a step of a few hundred regions pays each time. ``kvgraph serve`` spins
-30 000 times, between the two measured as best on different hosts. At
-32 streams of ``llama-56m`` (``benchmarks/RESULTS.md``, "OpenMP's spin on a shared CPU" and its
-2026-11-29 sequel): on a 2-core Zen 4, 1 000 spins served 6 % faster than 300 000 at the median of
-five alternating runs; on a 2-core Zen 3, 30 000 served about 4 % faster than 1 000 (9 of 11
-alternating rounds) and 300 000 faster than 1 000 in 10 of 13. The in-process engine, which shares
-its cores with nobody, is not affected.
+30 000 times, between the counts measured best on two hosts, at 32 streams of ``llama-56m``
+(``benchmarks/RESULTS.md``, "OpenMP's spin on a shared CPU" and its 2026-11-29 sequel):
+- on a 2-core Zen 4, 1 000 spins served 6 % faster than 300 000 at the median of five alternating runs;
+- on a 2-core Zen 3, 30 000 served faster than 1 000 in 13 of 16 alternating rounds (medians 0.914
+  against 0.852 of the in-process engine in the last run), and 300 000 faster than 1 000 in 14 of 18.
+The in-process engine, which shares its cores with nobody, is not affected.
 
 libgomp reads the variable once, when torch loads it, so the default has to be in the environment
 before ``import torch``: the command line applies it before it imports its subcommands (the

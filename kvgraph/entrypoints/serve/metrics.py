@@ -3,7 +3,8 @@
 Engine figures (KV pages, requests running and waiting, prompt and prefix-hit tokens,
 preemptions, steps, and steps by the intra-op threads they ran on) are read from ``LLM.stats()``
 at scrape time (from the engine process, when the engine runs in one); latencies and generated
-tokens are recorded as tokens are handed to the requests. ``kvgraph_engine_pid`` is the process that runs the engine.
+tokens are recorded as tokens are handed to the requests. ``kvgraph_engine_pid`` is the process
+that runs the engine.
 """
 
 from __future__ import annotations
