@@ -92,10 +92,14 @@ def engine_run(llm: LLM, prompts: list[list[int]], max_new_tokens: int) -> dict:
             "cpu_s": cpu, "steps": llm.stats()["steps"] - steps}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far, from ``/proc``."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far, from ``/proc``;
+    ``None`` once it has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
@@ -246,7 +250,10 @@ def server_run(args, server: ServerProcess, prompts: list[list[int]], max_new_to
     results, elapsed = run_load(server.url, args.model, prompts, max_new_tokens, args.concurrency, args.client,
                                 args.client_priority)
     client_cpu = time.process_time() - cpu
-    spent = {pid: cpu_seconds(pid) - before_cpu[pid] for pid in pids}
+    after_cpu = {pid: cpu_seconds(pid) for pid in pids}
+    # a process that ended during the load (a compile worker) is left out: its last CPU figure is gone
+    spent = {pid: after_cpu[pid] - before_cpu[pid] for pid in pids
+             if before_cpu[pid] is not None and after_cpu[pid] is not None}
     steps = {t: n - before_steps.get(t, 0) for t, n in steps_by_threads(server).items()}
     return {"results": results, "elapsed_s": elapsed, "client_cpu_s": client_cpu,
             "server_cpu_s": sum(spent.values()),
