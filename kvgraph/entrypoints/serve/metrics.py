@@ -77,6 +77,6 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=stats[key])
         by_threads = CounterMetricFamily(
             "kvgraph_steps_by_threads", "engine steps by the intra-op threads their kernels ran on (CPU)", labels=["threads"])
-        for threads, steps in stats.get("steps_by_threads", {}).items():
+        for threads, steps in stats["steps_by_threads"].items():
             by_threads.add_metric([str(threads)], steps)
         yield by_threads
