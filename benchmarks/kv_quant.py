@@ -7,8 +7,12 @@
   ``KVCacheQuantizationConfig()``: a float32 scale per 128 head-dim elements, clamped to the head
   size), and the tokens a paged pool of the same memory (``--pool-mib``) holds.
 - ``decode``: the C++ kernel's median time for one decode step of 64 sequences of 512 cached
-  tokens (8 query / 2 KV heads, head_dim 64, page_size 16; the CPU caches flushed before each run),
-  int8 against float32, in alternating rounds; ``int8_vs_fp32`` is the time ratio.
+  tokens (8 query / 2 KV heads, head_dim 64, page_size 16; the cache in memory allocated as the
+  engine's pool is, ``kvgraph.cache.pool_memory``; the CPU caches flushed before each run), int8
+  against float32, in alternating rounds; ``int8_vs_fp32`` is the time ratio. ``--flush read``
+  (the default) flushes by reading a 256 MiB buffer, which leaves the caches holding clean lines,
+  as the weights a model step reads between two attention layers do; ``--flush write`` writes
+  it, so that every line the step reads first evicts a dirty one (twice the memory traffic).
 - ``accuracy`` per preset: one greedy generation of ``--new-tokens`` tokens with the int8 and the
   float32 cache (``kvgraph.entrypoints.cli.kv_quality``): leading tokens that agree, and the largest
   logit error teacher-forced along the float32 generation.
@@ -24,6 +28,7 @@ import time
 
 import torch
 
+from kvgraph.cache import pool_memory
 from kvgraph.cache.quant import quantize
 from kvgraph.engine.loading import model_kv_params
 from kvgraph.entrypoints.cli.kv_quality import kv_cache_quality
@@ -44,6 +49,8 @@ def decode_step(dtype: torch.dtype | None) -> tuple[tuple, torch.Tensor | None]:
     scales = None
     if dtype is not None:
         blocks, scales = quantize(blocks, dtype, HEAD_DIM)
+    blocks = in_pool(blocks)
+    scales = None if scales is None else in_pool(scales)
     lookup = torch.randperm(num_pages, generator=gen).view(BATCH, pages_per_seq).to(torch.int32)
     q = torch.randn(BATCH, HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(BATCH, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
@@ -53,19 +60,31 @@ def decode_step(dtype: torch.dtype | None) -> tuple[tuple, torch.Tensor | None]:
     return (q, k, v, blocks, lengths, lookup, offsets, max_lengths, 1), scales
 
 
-def decode_ms(repeats: int, flush_mib: int = 256) -> dict[str, float]:
+def in_pool(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied into memory allocated as the engine's KV pool is (2 MB aligned, advised for
+    transparent huge pages where the kernel takes the advice)."""
+    pool = pool_memory.zeros(tuple(x.shape), x.dtype, "cpu")
+    pool.copy_(x)
+    return pool
+
+
+def decode_ms(repeats: int, flush: str = "read", flush_mib: int = 256) -> dict[str, float]:
     """Median wall milliseconds of the C++ kernel per cache dtype, the dtypes taking turns.
 
     Every run writes the same new K/V at the same positions (so the cache needs no copy between
-    runs) and starts with the CPU caches flushed by a pass over ``flush_mib`` MiB: a decode step of
-    a many-layer model reads each layer's cache from memory, not from what the previous run left.
+    runs) and starts with the CPU caches flushed by a pass over ``flush_mib`` MiB, read or written
+    (``flush``): a decode step of a many-layer model reads each layer's cache from memory, not from
+    what the previous run left.
     """
     cases = {"fp32": decode_step(None), "int8": decode_step(torch.int8)}
-    flush = torch.zeros(flush_mib << 18)
+    buffer = torch.ones(flush_mib << 18)  # written once: a never-written buffer reads the zero page
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(repeats + 2):
         for name, (args, scales) in cases.items():
-            flush += 1
+            if flush == "read":
+                buffer.sum()
+            else:
+                buffer += 1
             start = time.perf_counter()
             cpp.ragged_attention(*args, kv_scales=scales)
             if i >= 2:  # two warm-up rounds
@@ -97,10 +116,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--pool-mib", type=int, default=64)
+    parser.add_argument("--flush", choices=("read", "write"), default="read",
+                        help="how the CPU caches are flushed before each timed decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     presets = args.presets.split(",")
-    ms = decode_ms(args.repeats)
+    ms = decode_ms(args.repeats, args.flush)
     accuracy = {}
     for preset in presets:
         model, _ = load_preset(preset)
@@ -111,7 +132,7 @@ def main() -> None:
         "torch": torch.__version__,
         "load_average": os.getloadavg(),
         "sizes": {p: sizes(p, args.pool_mib << 20) for p in presets},
-        "decode": {"batch": BATCH, "cached": CACHED, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "decode": {"flush": args.flush, "batch": BATCH, "cached": CACHED, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                    "fp32_ms": round(ms["fp32"], 3), "int8_ms": round(ms["int8"], 3),
                    "int8_vs_fp32": round(ms["int8"] / ms["fp32"], 3)},
         "accuracy": {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "kv_cache_dtype": "int8",

@@ -63,6 +63,8 @@ inline void scores_group(const float* q, int64_t D, const int8_t* const* key, in
   for (int j = 0; j < 8; j += 2) {
     __m256 a[R][2];
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    // unrolled: the bounds are not compile-time, and the loop's own instructions held back its FMAs
+    _Pragma("GCC unroll 8")
     for (int64_t d = d0; d < d1; d += 8) {
       const __m256 k0 = widen8(key[j] + d), k1 = widen8(key[j + 1] + d);
       for (int r = 0; r < R; ++r) {
@@ -117,6 +119,7 @@ inline void accumulate_chunks(float* acc, int64_t D, int64_t group, int64_t c0, 
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) a[r][c] = _mm256_loadu_ps(acc + r * D + c0 + 8 * c);
   }
+  _Pragma("GCC unroll 4")
   for (int64_t j = 0; j < n; ++j) {
     __m256 x[C];
     for (int c = 0; c < C; ++c) {
