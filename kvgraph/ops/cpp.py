@@ -56,7 +56,8 @@ GREEDY_SOURCE = Path(__file__).parent / "csrc" / "greedy_cpu.cpp"
 PACK_ARENA_SOURCE = Path(__file__).parent / "csrc" / "pack_arena.cpp"
 HEADERS = (Path(__file__).parent / "csrc" / "panel_gemm.h", Path(__file__).parent / "csrc" / "pack_arena.h",
            Path(__file__).parent / "csrc" / "int8_parts.h",
-           Path(__file__).parent / "csrc" / "int8_decode_avx2.h")  # part of the build's key, not compiled alone
+           Path(__file__).parent / "csrc" / "int8_decode_avx2.h",
+           Path(__file__).parent / "csrc" / "prefill_tiles_avx2.h")  # part of the build's key, not compiled alone
 PACKED_LINEAR_SCHEMA = "(Tensor x, Tensor weight, Tensor? bias, int max_packed_rows, int pack_rows) -> Tensor"
 INT8_SCHEMA = "(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor"
 INT8_ROUTED_SCHEMA = ("(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int fused_min_rows, int fused_max_rows, "

@@ -57,6 +57,7 @@
 
 #include "int8_decode_avx2.h"
 #include "int8_parts.h"
+#include "prefill_tiles_avx2.h"
 
 namespace kvgraph {
 namespace {
@@ -191,6 +192,26 @@ Int8Path int8_path() {
   TORCH_CHECK_VALUE(value == "tiles", "KVGRAPH_INT8_DECODE=", value, " is not one of auto, avx2, tiles");
   return Int8Path::kTiles;
 }
+
+// How a prompt's tiles are computed (KVGRAPH_PREFILL_TILES, read at every call): "auto" (or unset)
+// every row of an item at once as two small products where csrc/prefill_tiles_avx2.h applies,
+// "rows" one query row at a time against the tile (the path before it, kept for the rest).
+bool prefill_tiles() {
+  const char* env = std::getenv("KVGRAPH_PREFILL_TILES");
+  const std::string value = env ? env : "";
+  if (value.empty() || value == "auto") return true;
+  TORCH_CHECK_VALUE(value == "rows", "KVGRAPH_PREFILL_TILES=", value, " is not one of auto, rows");
+  return false;
+}
+
+// A thread's scratch for a prompt's tiles: packed queries, S^T, and each row's rescale factor.
+template <typename A>
+struct Tiles {
+  bool on;
+  A* qt;
+  A* st;
+  A* alpha;
+};
 
 // Where a quantized cache's scales live: kv_scales' geometry (its d is the scales per head) and the
 // elements per scale; data is null for an unquantized cache. int8_path: how a decode step reads it.
@@ -838,15 +859,31 @@ template <typename cache_t, typename A>
 void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* scores, A* kf, A* vf,
                   const cache_t* blocks, const Geometry& g, const ScaleView& sv, const int32_t* lut, int64_t b,
                   int64_t h, int64_t layer, int64_t cached, int64_t s0, int64_t kv_begin, int64_t kv_end,
-                  int64_t window, A softcap) {
+                  int64_t window, A softcap, const Tiles<A>& tiles) {
   constexpr bool kConvert = !std::is_same_v<cache_t, A>;
   const int64_t D = g.d;
+#if defined(__AVX2__) && defined(__FMA__)
+  // float32 sums and D % 16 == 0: every row at once, a tile as two small products
+  // (csrc/prefill_tiles_avx2.h); m and l of the padding rows too, which the products fill
+  const bool by_tiles = tiles.on && prefill_avx2::usable(D);
+  if constexpr (std::is_same_v<A, float>) {
+    if (by_tiles) {
+      prefill_avx2::pack_queries(qf, rows, D, tiles.qt);
+      std::fill(m + rows, m + prefill_avx2::padded(rows), -std::numeric_limits<A>::infinity());
+      std::fill(l + rows, l + prefill_avx2::padded(rows), A(0));
+    }
+  }
+#else
+  const bool by_tiles = false;
+#endif
   for (int64_t pos = kv_begin; pos < kv_end;) {
     // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
     //    the item has few rows or the page is long; otherwise the tile is gathered page by page
     //    (and converted from bf16/fp16, or dequantized) into a contiguous buffer, so per-tile work
     //    is amortized --
-    const bool in_place = !kConvert && (rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
+    //    (the tiles' products read fp32 pages in place at any row count: from scattered pages a
+    //    gather cost them more than tiles of one page) --
+    const bool in_place = !kConvert && (by_tiles || rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
     const int64_t n = std::min({kv_end, pos + kKeyTile, in_place ? g.page_end(pos) : kv_end}) - pos;
     const A* kt;
     const A* vt;
@@ -876,6 +913,22 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
       }
       kt = kf, vt = vf, ld = D;
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<A, float>) {
+      if (by_tiles) {
+        // token t = s0 + i sees tile keys [lo, hi): from its window's start to itself
+        int64_t lo[kQueryBlock], hi[kQueryBlock];
+        for (int64_t i = 0; i * G < rows; ++i) {
+          const int64_t p = cached + s0 + i;
+          hi[i] = std::min(n, p + 1 - pos);
+          lo[i] = std::max<int64_t>(0, window_start(p, window) - pos);
+        }
+        prefill_avx2::tile(tiles.qt, rows, G, D, kt, vt, ld, n, lo, hi, softcap, tiles.st, acc, m, l, tiles.alpha);
+        pos += n;
+        continue;
+      }
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       // row r sees positions [window_start(p), p], p = cached + s: tile keys [0, visible) reach up
       // to p, the first `hidden` of them lie before its window. Skip the tile if none is left;
@@ -906,7 +959,7 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const Geometry& g, const ScaleView& sv,
             const std::vector<WorkItem>& items, const int32_t* offs, const int32_t* cl,
-            const int32_t* lut, int64_t layer, double scale, int64_t window, double softcap) {
+            const int32_t* lut, int64_t layer, double scale, int64_t window, double softcap, bool tiles_on) {
   using A = acc_t<scalar_t>;
   const int64_t hq = q.size(1), D = g.d, G = hq / g.hkv;
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
@@ -937,6 +990,11 @@ void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const G
     // and one K and one V tile gathered from its pages in the accumulation type
     std::vector<A> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max),
         scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D), context_scores;
+    // the prompt tiles' scratch (rows_max = 16 G is a multiple of their 16 columns)
+    const bool by_tiles = tiles_on && std::is_same_v<A, float>;
+    std::vector<A> qt(by_tiles ? rows_max * D : 0), st(by_tiles ? kKeyTile * rows_max : 0),
+        alpha(by_tiles ? rows_max : 0);
+    const Tiles<A> tiles{by_tiles, qt.data(), st.data(), alpha.data()};
     // with items enough to share out, a thread takes all kv heads of an item at once (they cost the
     // same, so the sort keeps them together, head 0 first): they read the same rows, which head 0
     // brings into cache
@@ -965,7 +1023,7 @@ void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const G
       } else {
         attend_block(qf.data(), rows, G, acc.data(), m.data(), l.data(), scores.data(), kf.data(), vf.data(),
                      blocks, g, sv, lut, b, h, layer, cached, item.s0, kv_begin, kv_end, window,
-                     static_cast<A>(softcap));
+                     static_cast<A>(softcap), tiles);
       }
       // -- write out: every row saw at least its own token, so l > 0 --
       for (int64_t r = 0; r < rows; ++r) {
@@ -1013,6 +1071,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
     }
   }
   at::Tensor out = at::empty({T, q.size(1), D}, q.options());
+  const bool tiles_on = prefill_tiles();
   const double softmax_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   const ScaleView sv = kv_scales.has_value()
                            ? ScaleView{kv_scales->mutable_data_ptr<float>(), Geometry(*kv_scales, lut_t),
@@ -1023,7 +1082,7 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
       store_new_tokens<scalar_t>(k, 0, blocks, g, sv, seq_of_token, offs, cl, lut, layer_idx);
       store_new_tokens<scalar_t>(v, 1, blocks, g, sv, seq_of_token, offs, cl, lut, layer_idx);
       attend<scalar_t>(q, out, blocks, g, sv, items, offs, cl, lut, layer_idx, softmax_scale,
-                       sliding_window.value_or(kNoWindow), softcap.value_or(0.0));
+                       sliding_window.value_or(kNoWindow), softcap.value_or(0.0), tiles_on);
     };
     if (!kv_scales.has_value()) {
       run(kv_blocks.mutable_data_ptr<scalar_t>());
