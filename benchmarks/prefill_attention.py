@@ -78,7 +78,7 @@ def main() -> None:
         "tiles_ms": round(ms["auto"], 3), "rows_ms": round(ms["rows"], 3),
         "tiles_gflops": round(gflop / ms["auto"] * 1e3, 1), "rows_gflops": round(gflop / ms["rows"] * 1e3, 1),
         "tiles_vs_rows": round(ms["auto"] / ms["rows"], 3),
-        "rounds_tiles_vs_rows": [round(a / b, 3) for a, b in zip(times["auto"], times["rows"])],
+        "rounds_tiles_vs_rows": [round(a / b, 3) for a, b in zip(times["auto"], times["rows"], strict=True)],
         "max_abs_diff": float((outs["auto"] - outs["rows"]).abs().max()),
     }, indent=2))
 
