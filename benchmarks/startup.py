@@ -25,7 +25,10 @@ uncompiled, ``compiled_s`` the moment it says the compile worker's graphs load (
 waits), and ``second_ready_s`` a later serve process loading what that worker wrote.
 
 Each setting gets its own ``TORCHINDUCTOR_CACHE_DIR`` (fresh, shared by that setting's starts; the
-precompiled files live in it too). ``first`` is a generate process on the empty cache; ``second``
+precompiled files live in it too) and, with ``--headers fresh`` (the default), its own temp directory,
+where Inductor keeps the C++ headers it precompiles once per user and machine: the first start is a
+machine's first. ``--headers kept`` leaves the temp directory as it is (a first start of another
+model, or of this one after its cache directory was cleared). ``first`` is a generate process on the empty cache; ``second``
 a generate process and then a serve process on what the first left. The C++ kernels
 are built before the first timed start (their build is cached per environment and not part of a
 model's start). Prints JSON.
@@ -88,8 +91,19 @@ def serve_first(model: str, flags: list[str], env: dict) -> dict:
     return {**first, "second_ready_s": second["ready_s"], "second_ready_line": second["ready_line"]}
 
 
-def start(model: str, flags: list[str], cache_dir: str, serve: bool) -> dict:
+def environment(cache_dir: str, headers: str) -> dict:
+    """The starts' environment: Inductor's cache in ``cache_dir``; with ``headers`` "fresh" the temp
+    directory too, where Inductor keeps its precompiled C++ headers whatever its cache directory
+    (``<temp dir>/torchinductor_<user>/precompiled_headers``, built once per user and machine)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    if headers == "fresh":
+        tmp = os.path.join(cache_dir, "tmp")
+        os.makedirs(tmp, exist_ok=True)
+        env["TMPDIR"] = tmp
+    return env
+
+
+def start(model: str, flags: list[str], env: dict, serve: bool) -> dict:
     return {**generate(model, flags, env), **(serve_ready(model, flags, env) if serve else {})}
 
 
@@ -105,6 +119,10 @@ def main() -> None:
                         help="after the second start, a generate and a serve process with --threads N on the same "
                         "files, then a generate with the default threads again (a restart on another thread count: "
                         "the graphs load, or are compiled again)")
+    parser.add_argument("--headers", choices=("fresh", "kept"), default="fresh",
+                        help="fresh (the default): each setting's starts get their own temp directory too, so the "
+                        "first one also builds Inductor's precompiled C++ headers, as on a machine that never ran "
+                        "it; kept: the headers this user's temp directory holds already")
     parser.add_argument("--serve-first", action="store_true",
                         help="also a serve process on an empty cache (compiling in the background) and a "
                         "second one on what its compile worker wrote")
@@ -122,17 +140,17 @@ def main() -> None:
             flags += ["--cpp-wrapper", cpp_wrapper]
             name += f"_cpp_wrapper_{cpp_wrapper}"
         with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-            results[name] = {"first": start(args.model, flags, cache_dir, serve=False),
-                             "second": start(args.model, flags, cache_dir, serve=True)}
+            env = environment(cache_dir, args.headers)
+            results[name] = {"first": start(args.model, flags, env, serve=False),
+                             "second": start(args.model, flags, env, serve=True)}
             if args.other_threads is not None:
                 results[name]["other_threads"] = start(args.model, [*flags, "--threads", str(args.other_threads)],
-                                                       cache_dir, serve=True)
-                results[name]["default_threads_again"] = start(args.model, flags, cache_dir, serve=False)
+                                                       env, serve=True)
+                results[name]["default_threads_again"] = start(args.model, flags, env, serve=False)
         if args.serve_first:
             with tempfile.TemporaryDirectory(prefix="kvgraph-startup-") as cache_dir:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-                results[name]["first_serve"] = serve_first(args.model, flags, env)
-    print(json.dumps({"model": args.model, "results": results}, indent=2))
+                results[name]["first_serve"] = serve_first(args.model, flags, environment(cache_dir, args.headers))
+    print(json.dumps({"model": args.model, "headers": args.headers, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ from kvgraph.compiler.runtime import (
     intra_op_threads,
     require_binding,
 )
+from kvgraph.compiler.wrapper_headers import headers_in_background
 from kvgraph.errors import BindingError, ConfigError, KVCacheError, KVGraphError, LoweringError
 from kvgraph.passes.find_attention import KnownWindows, WindowOrigin
 
@@ -298,6 +299,8 @@ class KVGraphBackend:
         counters["kvgraph"]["graphs"] += 1
         if self.options.inner == "inductor" and getattr(_graph_device(gm), "type", "cpu") == "cpu":
             probe_in_background()  # beside AOTAutograd's trace; kvgraph.compile starts them sooner
+            if self.options.wrapper_in_cpp(torch.device("cpu")):
+                headers_in_background()  # the C++ wrapper's precompiled headers, beside the trace too
         if self.options.freeze_weights and self.options.inner == "inductor" and not _traced_frozen():
             warnings.warn(
                 "freeze_weights=True, but Dynamo traced this graph with torch._inductor.config.freezing "
