@@ -147,15 +147,22 @@ def probe_in_background() -> threading.Thread | None:
         return None
     with _lock:
         if _background is None:
-            # what the probes import, imported here first: two threads importing the same modules
-            # in opposite orders can stop each other (Python then raises in one of them)
-            import torch._inductor.codecache  # noqa: F401
-            import torch._inductor.cpp_builder  # noqa: F401
-            import torch.utils._filelock  # noqa: F401
-
-            _background = threading.Thread(target=_probe_all, name="kvgraph-isa-probes", daemon=True)
-            _background.start()
+            _background = compiler_thread(_probe_all, "kvgraph-isa-probes")
         return _background
+
+
+def compiler_thread(target, name: str) -> threading.Thread:
+    """A started daemon thread running ``target``, which calls Inductor's C++ compiler: what that
+    imports is imported here first, as two threads importing the same modules in opposite orders
+    can stop each other (Python then raises in one of them)."""
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.cpp_builder  # noqa: F401
+    import torch._inductor.cpu_vec_isa  # noqa: F401
+    import torch.utils._filelock  # noqa: F401
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _probe_all() -> None:

@@ -25,6 +25,8 @@ import logging
 import platform
 import threading
 
+from kvgraph.compiler.isa_probes import compiler_thread
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -51,15 +53,7 @@ def headers_in_background() -> threading.Thread | None:
         return None
     with _lock:
         if _background is None:
-            # what the build imports, imported here first (two threads importing the same modules
-            # in opposite orders can stop each other)
-            import torch._inductor.codecache  # noqa: F401
-            import torch._inductor.cpp_builder  # noqa: F401
-            import torch._inductor.cpu_vec_isa  # noqa: F401
-            import torch.utils._filelock  # noqa: F401
-
-            _background = threading.Thread(target=build_headers, name="kvgraph-wrapper-headers", daemon=True)
-            _background.start()
+            _background = compiler_thread(build_headers, "kvgraph-wrapper-headers")
         return _background
 
 
