@@ -6,8 +6,9 @@ process, as JSON.
 
 The step: ``--prompts`` prompts of 16..256 tokens (``mixed``'s range, seeded), no cached tokens,
 llama-56m's heads (8 query / 4 KV heads, head_dim 64), pages of 16 shuffled over the pool, one
-layer. Each round times ``--calls`` calls of each path (their median); ``tiles_vs_rows`` is the ratio
-of the medians over rounds. GFLOP/s count the causal products only (2 * D FLOPs per query head and
+layer, the C++ kernel called as the compiled graphs call it (``torch.ops.kvgraph_cpu``, no Python
+wrapper). Each round times ``--calls`` calls of each path (their median); ``tiles_vs_rows`` is the
+ratio of the medians over rounds. GFLOP/s count the causal products only (2 * D FLOPs per query head and
 visible key, for QK^T and again for PV). The call stores the step's K/V too; the outputs of the two
 paths are compared (``max_abs_diff``).
 """
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpp.build()
+    kernel = torch.ops.kvgraph_cpu.ragged_attention
     op_args, gflop = step(args.prompts)
     times: dict[str, list[float]] = {"auto": [], "rows": []}
     outs = {}
@@ -68,7 +71,7 @@ def main() -> None:
             calls = []
             for _ in range(args.calls):
                 began = time.perf_counter()
-                outs[path] = cpp.ragged_attention(*op_args)
+                outs[path] = kernel(*op_args)
                 calls.append(time.perf_counter() - began)
             times[path].append(statistics.median(calls))
     os.environ.pop("KVGRAPH_PREFILL_TILES")

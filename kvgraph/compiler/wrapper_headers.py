@@ -21,6 +21,7 @@ each). Any failure is logged and left to Inductor, which builds the headers itse
 
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 import threading
@@ -32,9 +33,12 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _background: threading.Thread | None = None
 
-# A wrapper and a kernel translation unit of one line each: only their headers are built.
-_MAIN = "// kvgraph: Inductor's C++ wrapper header, precompiled ahead of a graph's compile\n"
-_KERNELS = "// kvgraph: Inductor's C++ kernel header, precompiled ahead of a graph's compile\n"
+# A wrapper and a kernel translation unit of one line each: only their headers are built. Inductor
+# keeps the modules it was asked for by their code, and asks for headers for a new one only: each
+# call's module says its number.
+_MAIN = "// kvgraph: Inductor's C++ wrapper header, precompiled ahead of a graph's compile ({})\n"
+_KERNELS = "// kvgraph: Inductor's C++ kernel header, precompiled ahead of a graph's compile ({})\n"
+_calls = itertools.count()
 
 
 def enabled() -> bool:
@@ -65,8 +69,9 @@ def build_headers() -> bool:
         from torch._inductor.codecache import CppWrapperCodeCache
 
         cpu_vec_isa.valid_vec_isa_list()  # the kernels' header needs the ISA: after the probes, not beside them
-        CppWrapperCodeCache.load_async(_MAIN, "cpu", optimized_code=_KERNELS, needs_vec_isa=False,
-                                       kernel_needs_vec_isa=True)
+        call = next(_calls)
+        CppWrapperCodeCache.load_async(_MAIN.format(call), "cpu", optimized_code=_KERNELS.format(call),
+                                       needs_vec_isa=False, kernel_needs_vec_isa=True)
         return True
     except Exception as e:  # Inductor builds them itself when the graph compiles
         logger.info("Inductor's C++ headers on a background thread failed: %s: %s", type(e).__name__, e)

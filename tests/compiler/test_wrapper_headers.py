@@ -20,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture
 def header_builds(tmp_path, monkeypatch):
-    """Inductor's precompiled headers kept in ``tmp_path``; returns the list of (thread, header)
-    each build of a header that was not there yet appends to, and the number of header requests."""
+    """Inductor's precompiled headers kept in ``tmp_path``; gives the list of (thread, header) each
+    build of a header that was not there yet appends to, the headers asked for, and a function that
+    makes Inductor forget the headers it asked for in this process."""
     monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path))
     monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(tmp_path / "locks"))
     built, asked = [], []
@@ -40,18 +41,24 @@ def header_builds(tmp_path, monkeypatch):
 
     monkeypatch.setattr(codecache, "_worker_compile_cpp", spy_compile)
     monkeypatch.setattr(codecache, "_precompile_header", spy_precompile)
-    return built, asked
+    precompile.cache_clear()  # Inductor remembers each header it asked for in the process
+    yield built, asked, precompile.cache_clear
+    precompile.cache_clear()  # ...here in tmp_path: asked again, it finds the real ones
 
 
 @pytest.mark.skipif(not wrapper_headers.enabled(), reason="Inductor does not precompile its headers here")
 def test_a_graphs_compile_finds_the_headers_built_ahead(header_builds, tmp_path):
-    built, asked = header_builds
+    built, asked, forget = header_builds
     assert wrapper_headers.build_headers()
     assert len(built) == 2  # the wrapper's header and the kernels'
     assert sorted(name for _, name in built) == sorted(p for p in os.listdir(tmp_path) if p.endswith(".gch"))
     built.clear()
     asked.clear()
-    with fresh_cache():  # nothing compiled in this process or on disk: the graph is compiled and built
+    # nothing compiled in this process or on disk: the graph is compiled, its module built, and
+    # the headers' keys worked out again
+    forget()
+    with fresh_cache(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codecache.CppWrapperCodeCache, "cache", {})
         compiled = kvgraph.compile(fresh_model(), manager=manager(), cpp_wrapper=True)
         decode(_StepLogits(compiled), compiled.manager, steps=1, prompts=ONE)
     assert len(set(asked)) == 2  # each graph's compile asked for both headers...
@@ -83,7 +90,7 @@ def test_a_failure_is_logged_and_left_to_inductor(monkeypatch, caplog):
 def test_nothing_starts_where_inductor_does_not_precompile_headers(monkeypatch):
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "cpp_cache_precompile_headers", False)
     monkeypatch.setattr(wrapper_headers, "_background", None)
-    assert wrapper_headers.headers_in_background() is None
+    with inductor_config.patch(cpp_cache_precompile_headers=False):
+        assert wrapper_headers.headers_in_background() is None
     assert wrapper_headers._background is None
