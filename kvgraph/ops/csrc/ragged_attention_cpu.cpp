@@ -880,9 +880,8 @@ void attend_block(const A* qf, int64_t rows, int64_t G, A* acc, A* m, A* l, A* s
     // -- one tile of up to kKeyTile keys: fp32 pages are read in place (one page per tile) when
     //    the item has few rows or the page is long; otherwise the tile is gathered page by page
     //    (and converted from bf16/fp16, or dequantized) into a contiguous buffer, so per-tile work
-    //    is amortized --
-    //    (the tiles' products read fp32 pages in place at any row count: from scattered pages a
-    //    gather cost them more than tiles of one page) --
+    //    is amortized; the tiles' products read fp32 pages in place at any row count (from
+    //    scattered pages a gather cost them more than tiles of one page) --
     const bool in_place = !kConvert && (by_tiles || rows < kGatherRows || g.page_end(pos) >= pos + kKeyTile);
     const int64_t n = std::min({kv_end, pos + kKeyTile, in_place ? g.page_end(pos) : kv_end}) - pos;
     const A* kt;
@@ -981,6 +980,7 @@ void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const G
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return cost[x / g.hkv] > cost[y / g.hkv]; });
+  const bool any_block = std::any_of(items.begin(), items.end(), [](const WorkItem& it) { return it.s1 - it.s0 > 1; });
   std::atomic<int64_t> next{0};
   const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_items);
   const int64_t chunk = static_cast<int64_t>(items.size()) >= 4 * n_workers ? g.hkv : 1;
@@ -990,8 +990,9 @@ void attend(const at::Tensor& q, at::Tensor& out, const cache_t* blocks, const G
     // and one K and one V tile gathered from its pages in the accumulation type
     std::vector<A> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max),
         scores(kKeyTile), kf(kKeyTile * D), vf(kKeyTile * D), context_scores;
-    // the prompt tiles' scratch (rows_max = 16 G is a multiple of their 16 columns)
-    const bool by_tiles = tiles_on && std::is_same_v<A, float>;
+    // the prompt tiles' scratch (rows_max = 16 G is a multiple of their 16 columns), for a step
+    // with a prompt: a decode step's items have one token each
+    const bool by_tiles = tiles_on && std::is_same_v<A, float> && any_block;
     std::vector<A> qt(by_tiles ? rows_max * D : 0), st(by_tiles ? kKeyTile * rows_max : 0),
         alpha(by_tiles ? rows_max : 0);
     const Tiles<A> tiles{by_tiles, qt.data(), st.data(), alpha.data()};
